@@ -1,0 +1,98 @@
+"""Shared fixtures: tiny random targets of several architectures, the real SmolLM2 target, drafters that fit them."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from dspark_hf import DSparkConfig, DSparkForDrafting
+
+TINY_VOCAB = 96
+TINY_ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+}
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def make_tiny_target(architecture: str = "llama", vocab_size: int = TINY_VOCAB, seed: int = 0, layers: int = 4):
+    """A small random causal LM (fp32, eval mode) with the given architecture."""
+    config_class, model_class = TINY_ARCHITECTURES[architecture]
+    config = config_class(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return model_class(config).eval()
+
+
+def make_drafter(target, seed: int = 0, **overrides) -> DSparkForDrafting:
+    """A random DSpark drafter fitted to `target` (embed/head bound from it), fp32."""
+    text = target.config.get_text_config()
+    settings = dict(
+        hidden_size=text.hidden_size,
+        intermediate_size=2 * text.hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=text.vocab_size,
+        draft_vocab_size=text.vocab_size,
+        block_size=4,
+        aux_hidden_state_layer_ids=[1, text.num_hidden_layers // 2, text.num_hidden_layers - 1],
+        target_hidden_size=text.hidden_size,
+        target_num_hidden_layers=text.num_hidden_layers,
+        mask_token_id=text.vocab_size - 1,
+        markov_rank=8,
+        markov_head_type="vanilla",
+        enable_confidence_head=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    drafter = DSparkForDrafting(DSparkConfig(**settings)).eval()
+    vocab = drafter.config.draft_vocab_size
+    if vocab < text.vocab_size:  # a deterministic sub-vocabulary: every other id from 0, padded with the rest
+        ids = sorted((list(range(0, text.vocab_size, 2)) + list(range(1, text.vocab_size, 2)))[:vocab])
+        ids_t = torch.tensor(ids)
+        t2d = torch.zeros(text.vocab_size, dtype=torch.bool)
+        t2d[ids_t] = True
+        drafter.set_draft_vocab(ids_t - torch.arange(vocab), t2d)
+    drafter.bind_target(target)
+    return drafter
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct target in fp32 (exactness) and its tokenizer."""
+    from dspark_hf.assets import load_smollm2
+
+    return load_smollm2(dtype="float32")
