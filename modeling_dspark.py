@@ -16,6 +16,8 @@ p is the anchor's position; its hidden row is slot n (DFlash/Kimi convention) or
 from __future__ import annotations
 
 import functools
+import glob
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
@@ -73,6 +76,13 @@ class DSparkRotaryEmbedding(nn.Module):
         dim = config.head_dim
         arange = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float()
         return 1.0 / (config.rope_theta ** (arange / dim)), 1.0
+
+    def _apply(self, fn, recurse=True):
+        # Casting the model to bf16 must not round the frequencies: keep them fp32, only follow the device.
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -489,6 +499,12 @@ class DSparkForDrafting(DSparkPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        if os.path.isdir(pretrained_model_name_or_path):
+            config = kwargs.get("config")
+            check_checkpoint_shapes(
+                pretrained_model_name_or_path,
+                config if isinstance(config, DSparkConfig) else DSparkConfig.from_pretrained(pretrained_model_name_or_path),
+            )
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         hub_kwargs = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
         try:
@@ -735,6 +751,21 @@ def _sampling_warpers(temperature: float, top_k: int | None, top_p: float | None
     if top_p is not None and top_p < 1.0:
         warpers.append(TopPLogitsWarper(top_p))
     return warpers
+
+
+def check_checkpoint_shapes(directory: str, config: DSparkConfig):
+    """Refuse, in one line, a checkpoint whose tensor shapes disagree with its config (names the first mismatch)."""
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in DSparkForDrafting(config).state_dict().items()}
+    for file in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        with safe_open(file, framework="pt") as checkpoint:
+            for name in checkpoint.keys():
+                shape = tuple(checkpoint.get_slice(name).get_shape())
+                if name in expected and shape != expected[name]:
+                    raise ValueError(
+                        f"{os.path.basename(file)}: {name} has shape {shape} in the checkpoint but {expected[name]} "
+                        "from config.json; fix the config (or re-export the checkpoint) so they agree."
+                    )
 
 
 def check_target_compatibility(config: DSparkConfig, target: PreTrainedModel):

@@ -1,0 +1,333 @@
+"""The DSpark model package: checkpoint layout, save/load, incremental context, slot conventions, heads, config errors."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_drafter, make_tiny_target
+from safetensors import safe_open
+
+from dspark_hf import DSparkConfig, DSparkContextCache, DSparkForDrafting
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# DESIGN §3: the Kimi-K2.6 DSpark checkpoint (novita/kimi-k2.6-dspark).
+KIMI_LAYER_TENSORS = {
+    "self_attn.q_proj.weight": (7168, 7168),
+    "self_attn.k_proj.weight": (1024, 7168),
+    "self_attn.v_proj.weight": (1024, 7168),
+    "self_attn.o_proj.weight": (7168, 7168),
+    "self_attn.q_norm.weight": (128,),
+    "self_attn.k_norm.weight": (128,),
+    "mlp.gate_proj.weight": (18432, 7168),
+    "mlp.up_proj.weight": (18432, 7168),
+    "mlp.down_proj.weight": (7168, 18432),
+    "input_layernorm.weight": (7168,),
+    "post_attention_layernorm.weight": (7168,),
+}
+KIMI_OTHER_TENSORS = {
+    "fc.weight": ((7168, 3 * 7168), torch.bfloat16),
+    "hidden_norm.weight": ((7168,), torch.bfloat16),
+    "norm.weight": ((7168,), torch.bfloat16),
+    "embed_tokens.weight": ((163840, 7168), torch.bfloat16),
+    "lm_head.weight": ((32000, 7168), torch.bfloat16),
+    "d2t": ((32000,), torch.int64),
+    "t2d": ((163840,), torch.bool),
+    "markov_head.markov_w1.weight": ((163840, 256), torch.bfloat16),
+    "markov_head.markov_w2.weight": ((32000, 256), torch.bfloat16),
+    "confidence_head.proj.weight": ((1, 7168 + 256), torch.bfloat16),
+    "confidence_head.proj.bias": ((1,), torch.bfloat16),
+}
+KIMI_PARAMETERS = 3_149_529_089  # every floating tensor above, summed (d2t/t2d are index buffers)
+
+
+def test_kimi_preset_has_exactly_the_44_published_tensors():
+    config = DSparkConfig.from_preset("kimi-k2.6")
+    with torch.device("meta"):
+        model = DSparkForDrafting._from_config(config, dtype=torch.bfloat16)
+    state = model.state_dict()
+    expected = {f"layers.{i}.{name}": (shape, torch.bfloat16) for i in range(3) for name, shape in KIMI_LAYER_TENSORS.items()}
+    expected.update(KIMI_OTHER_TENSORS)
+    assert len(expected) == 44
+    assert set(state) == set(expected)
+    for name, (shape, dtype) in expected.items():
+        assert tuple(state[name].shape) == shape, name
+        assert state[name].dtype == dtype, name
+    parameters = sum(t.numel() for t in state.values() if t.is_floating_point())
+    assert parameters == KIMI_PARAMETERS  # ≈3.15 B; bf16 ≈ 5.87 GiB
+    assert config.num_draft_tokens == 7 and config.target_layer_ids == [0, 28, 56]
+    assert config.speculators_config()["proposal_methods"][0]["speculative_tokens"] == 7
+
+
+def _draft_all(drafter, aux, anchor):
+    cache = drafter.extend_context(DSparkContextCache(), aux)
+    return drafter.draft_block(cache, anchor)
+
+
+def test_save_and_reload_with_trust_remote_code_in_a_fresh_process(tmp_path):
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, draft_vocab_size=64).to(torch.bfloat16)
+    drafter.save_pretrained(tmp_path)
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_dspark.DSparkConfig",
+        "AutoModel": "modeling_dspark.DSparkForDrafting",
+    }
+    assert config["model_type"] == "dspark" and config["speculators_model_type"] == "dspark"
+    assert config["vocab_size"] == target.config.vocab_size
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert dtypes.pop("d2t") == "I64" and dtypes.pop("t2d") == "BOOL"
+    assert set(dtypes.values()) == {"BF16"}
+
+    torch.manual_seed(1)
+    aux = torch.randn(1, 9, 3 * 64)
+    torch.save({"aux": aux}, tmp_path / "probe.pt")
+    expected = _draft_all(drafter, aux.to(torch.bfloat16), 5)
+
+    # A fresh interpreter in which the library itself cannot be imported: only torch + transformers + the copied files.
+    script = textwrap.dedent(
+        f"""
+        import sys, importlib.abc
+        class BlockLibrary(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == "dspark_hf" or name.startswith("dspark_hf."):
+                    raise ImportError("the remote code must not import dspark_hf")
+        sys.meta_path.insert(0, BlockLibrary())
+        import torch
+        from transformers import AutoModel
+        from safetensors.torch import load_file
+        path = {str(tmp_path)!r}
+        model = AutoModel.from_pretrained(path, trust_remote_code=True, dtype="auto")
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        saved = load_file(path + "/model.safetensors")
+        state = model.state_dict()
+        for name, tensor in saved.items():
+            assert torch.equal(state[name], tensor) and state[name].dtype == tensor.dtype, name
+        inv_freq = 1.0 / (model.config.rope_theta ** (torch.arange(0, model.config.head_dim, 2).float() / model.config.head_dim))
+        assert torch.equal(model.rotary_emb.inv_freq, inv_freq)
+        aux = torch.load(path + "/probe.pt")["aux"].to(torch.bfloat16)
+        cache = model.extend_context(type(model).__module__ and sys.modules[type(model).__module__].DSparkContextCache(), aux)
+        out = model.draft_block(cache, 5)
+        torch.save({{"tokens": out.token_ids, "logits": out.draft_logits, "conf": out.confidences}}, path + "/out.pt")
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path)
+    reloaded = torch.load(tmp_path / "out.pt")
+    assert torch.equal(reloaded["tokens"], expected.token_ids)
+    assert torch.equal(reloaded["logits"], expected.draft_logits)
+    assert torch.equal(reloaded["conf"], expected.confidences)
+
+
+def test_remote_code_files_import_only_torch_transformers_and_each_other():
+    allowed = {"torch", "transformers", "huggingface_hub", "safetensors", "__future__", "copy", "functools", "glob",
+               "os", "time", "collections", "dataclasses", "typing"}  # safetensors/huggingface_hub come with transformers
+    for name in ("configuration_dspark.py", "modeling_dspark.py"):
+        tree = ast.parse((REPO_ROOT / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                roots = set() if node.level else {node.module.split(".")[0]}
+            else:
+                continue
+            assert roots <= allowed, f"{name} imports {roots - allowed}"
+
+
+@pytest.mark.parametrize("markov_head_type", ["vanilla", "gated", "rnn"])
+def test_incremental_context_cache_equals_full_recompute(markov_head_type):
+    """Random accept patterns: appending committed positions round by round == building the context at once."""
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, markov_head_type=markov_head_type, block_size=5)
+    generator = torch.Generator().manual_seed(0)
+    for pattern in range(4 if markov_head_type == "vanilla" else 3):  # ≥ 10 patterns over the three variants
+        total = 60
+        aux = torch.randn(1, total, 3 * 64, generator=generator)
+        tokens = torch.randint(3, 90, (total,), generator=generator)
+        cache, committed = DSparkContextCache(), int(torch.randint(1, 10, (1,), generator=generator))
+        drafter.extend_context(cache, aux[:, :committed])
+        while committed < total - 6:
+            incremental = drafter.draft_block(cache, tokens[committed])
+            full = _draft_all(drafter, aux[:, :committed], tokens[committed])
+            torch.testing.assert_close(incremental.draft_logits, full.draft_logits, rtol=1e-5, atol=1e-5)
+            assert torch.equal(incremental.token_ids, full.token_ids)
+            step = int(torch.randint(1, drafter.num_draft_tokens + 2, (1,), generator=generator))  # accepted + bonus
+            drafter.extend_context(cache, aux[:, committed : committed + step])
+            committed += step
+        assert cache.get_seq_length() == committed
+
+
+@pytest.mark.parametrize("sample_from_anchor", [False, True])
+@pytest.mark.parametrize("markov_head_type", ["vanilla", "rnn"])
+def test_training_forward_lines_up_with_inference_drafts(sample_from_anchor, markov_head_type):
+    """Draft n of the training forward (label position p+n) is exactly inference draft n after anchor p."""
+    target = make_tiny_target("qwen3")
+    drafter = make_drafter(target, sample_from_anchor=sample_from_anchor, markov_head_type=markov_head_type)
+    N = drafter.num_draft_tokens
+    assert N == (4 if sample_from_anchor else 3)
+    torch.manual_seed(3)
+    T = 24
+    aux = torch.randn(1, T, 3 * 64)
+    input_ids = torch.randint(3, 90, (1, T))
+    anchors = torch.tensor([[2, 7, 11, 15]])
+    # Teacher forcing with the drafter's own greedy drafts makes both paths see the same previous tokens.
+    for p in anchors[0].tolist():
+        draft = _draft_all(drafter, aux[:, :p], input_ids[0, p])
+        input_ids[0, p + 1 : p + 1 + N] = draft.token_ids[0]
+    out = drafter(aux_hidden_states=aux, input_ids=input_ids, anchor_positions=anchors)
+    assert out.logits.shape == (1, 4, N, drafter.config.draft_vocab_size)
+    assert torch.equal(out.label_positions[0], anchors[0, :, None] + torch.arange(1, N + 1))
+    for j, p in enumerate(anchors[0].tolist()):
+        draft = _draft_all(drafter, aux[:, :p], input_ids[0, p])
+        torch.testing.assert_close(out.logits[0, j], draft.draft_logits[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.sigmoid(out.confidence_logits[0, j]), draft.confidences[0], rtol=1e-5, atol=1e-6)
+        assert torch.equal(input_ids[0, out.label_positions[0, j]], draft.token_ids[0])
+
+
+def test_training_mask_hides_the_future_and_other_blocks():
+    """Changing positions ≥ p (or another block's anchor) never changes block p's logits."""
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target)
+    torch.manual_seed(4)
+    aux = torch.randn(1, 20, 3 * 64)
+    ids = torch.randint(3, 90, (1, 20))
+    anchors = torch.tensor([[4, 12]])
+    base = drafter(aux_hidden_states=aux, input_ids=ids, anchor_positions=anchors).base_logits
+    aux2, ids2 = aux.clone(), ids.clone()
+    aux2[:, 4:] += 1.0  # the future of anchor 4 (and the context of anchor 12)
+    ids2[0, 12] = 7  # anchor 12's token
+    changed = drafter(aux_hidden_states=aux2, input_ids=ids2, anchor_positions=anchors).base_logits
+    torch.testing.assert_close(changed[0, 0], base[0, 0], rtol=0, atol=1e-6)
+    assert not torch.allclose(changed[0, 1], base[0, 1])
+
+
+@pytest.mark.parametrize("markov_head_type", ["vanilla", "gated", "rnn"])
+def test_greedy_drafting_is_argmax_of_parallel_logits_plus_markov_bias(markov_head_type):
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, markov_head_type=markov_head_type, draft_vocab_size=48)
+    with torch.no_grad():  # make the bias large enough to matter
+        drafter.markov_head.markov_w1.weight.normal_(0, 1.0)
+        drafter.markov_head.markov_w2.weight.normal_(0, 1.0)
+    torch.manual_seed(5)
+    aux = torch.randn(1, 10, 3 * 64)
+    cache = drafter.extend_context(DSparkContextCache(), aux)
+    draft = drafter.draft_block(cache, 9)
+
+    hidden = drafter.block_hidden_states(cache, torch.tensor([9]))
+    U = drafter.lm_head(hidden)
+    head, prev, state, tokens = drafter.markov_head, torch.tensor([9]), None, []
+    for n in range(drafter.num_draft_tokens):
+        bias, state = head.step(hidden[:, n], head.embed_previous(prev), state)
+        prev = drafter.draft_to_target_ids[(U[:, n] + bias).argmax(-1)]
+        tokens.append(prev)
+    assert torch.equal(draft.token_ids[0], torch.cat(tokens))
+    no_bias = drafter.draft_to_target_ids[U.argmax(-1)][0]
+    assert not torch.equal(draft.token_ids[0], no_bias), "the Markov bias should change some drafts here"
+    assert draft.token_ids.max() < 96 and bool(drafter.t2d[draft.token_ids].all())
+
+
+def test_vanilla_bias_depends_on_the_previous_token_only():
+    target = make_tiny_target("llama")
+    head = make_drafter(target).markov_head
+    h1, h2 = torch.randn(2, 64), torch.randn(2, 64)
+    prev = head.embed_previous(torch.tensor([5, 6]))
+    assert torch.equal(head.block_bias(h1[:, None], prev[:, None]), head.block_bias(h2[:, None], prev[:, None]))
+    other = head.embed_previous(torch.tensor([7, 6]))
+    changed = head.block_bias(h1[:, None], other[:, None])
+    assert not torch.equal(changed[0], head.block_bias(h1[:, None], prev[:, None])[0])
+    assert torch.equal(changed[1], head.block_bias(h1[:, None], prev[:, None])[1])
+
+
+def test_rnn_bias_carries_state_and_gated_bias_reads_the_hidden_row():
+    target = make_tiny_target("llama")
+    rnn = make_drafter(target, markov_head_type="rnn").markov_head
+    hidden, prev = torch.randn(1, 3, 64), rnn.embed_previous(torch.tensor([[4, 5, 6]]))
+    bias = rnn.block_bias(hidden, prev)
+    prev_changed = prev.clone()
+    prev_changed[0, 0] = rnn.embed_previous(torch.tensor(9))
+    later = rnn.block_bias(hidden, prev_changed)
+    assert not torch.allclose(later[0, 2], bias[0, 2])  # an earlier token reaches draft 3 through the state
+    gated = make_drafter(target, markov_head_type="gated").markov_head
+    prev = gated.embed_previous(torch.tensor([[4]]))
+    assert not torch.allclose(gated.block_bias(hidden[:, :1], prev), gated.block_bias(hidden[:, :1] + 1, prev))
+
+
+def test_confidence_head_and_temperatures_shape_the_survival():
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, block_size=6)
+    torch.manual_seed(6)
+    aux = torch.randn(1, 8, 3 * 64)
+    draft = _draft_all(drafter, aux, 3)
+    c = draft.confidences[0]
+    torch.testing.assert_close(draft.survival[0], torch.cumprod(c, 0))
+    drafter.config.confidence_temperatures = [2.0] * drafter.num_draft_tokens
+    warmer = _draft_all(drafter, aux, 3).confidences[0]
+    logits = torch.logit(c.double())
+    torch.testing.assert_close(warmer.double(), torch.sigmoid(logits / 2.0), rtol=1e-5, atol=1e-6)
+    # A survival threshold cuts the block at the first draft whose survival drops below it.
+    threshold = float(draft.survival[0, 2])
+    drafter.config.confidence_temperatures = [1.0] * drafter.num_draft_tokens
+    cache = drafter.extend_context(DSparkContextCache(), aux)
+    cut = drafter.draft_block(cache, 3, confidence_threshold=threshold + 1e-6)
+    assert cut.token_ids.shape[1] == 2 and torch.equal(cut.token_ids, draft.token_ids[:, :2])
+
+
+def test_confidence_head_without_markov_features():
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, confidence_head_with_markov=False)
+    assert drafter.confidence_head.proj.weight.shape == (1, 64)
+    drafter = make_drafter(target, markov_rank=0, enable_confidence_head=True)
+    assert drafter.markov_head is None and drafter.confidence_head.proj.weight.shape == (1, 64)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"markov_head_type": "lstm"}, "unknown markov_head_type 'lstm'"),
+        ({"mask_token_id": 96}, "mask_token_id=96 is outside the vocabulary"),
+        ({"mask_token_id": -1}, "mask_token_id=-1 is outside the vocabulary"),
+        ({"draft_vocab_size": 97}, "draft_vocab_size=97 is larger than the vocabulary"),
+        ({"hidden_size": 32}, "differs from target_hidden_size"),
+        ({"aux_hidden_state_layer_ids": [1, 5]}, "beyond the target's 4 layers"),
+        ({"confidence_temperatures": [1.0]}, "confidence_temperatures needs 3 positive values"),
+        ({"markov_rank": 0, "markov_head_type": "rnn"}, "needs markov_rank > 0"),
+    ],
+)
+def test_config_errors_are_one_clear_line(overrides, message):
+    target = make_tiny_target("llama")
+    with pytest.raises(ValueError, match=message) as error:
+        make_drafter(target, **{"target_hidden_size": overrides.get("target_hidden_size", 64), **overrides})
+    assert "\n" not in str(error.value)
+
+
+def test_checkpoint_whose_shapes_disagree_with_its_config_is_refused(tmp_path):
+    target = make_tiny_target("llama")
+    make_drafter(target).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 96  # the weights say 128
+    config["transformer_layer_config"]["intermediate_size"] = 96
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj\.weight has shape \(64, 128\) in the checkpoint but \(64, 96\)") as error:
+        DSparkForDrafting.from_pretrained(tmp_path)
+    assert "\n" not in str(error.value)
+
+
+def test_checkpoint_without_target_copies_binds_them_from_the_target(tmp_path):
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, draft_vocab_size=50, bind_target_embeddings=True)
+    drafter.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert "embed_tokens.weight" not in f.keys() and "lm_head.weight" not in f.keys()
+    reloaded = DSparkForDrafting.from_pretrained(tmp_path)
+    reloaded.bind_target(target)
+    assert torch.equal(reloaded.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert torch.equal(reloaded.lm_head.weight, target.lm_head.weight[reloaded.t2d])
