@@ -864,18 +864,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         logits_processor: LogitsProcessorList | None = None,
         model_kwargs: dict[str, Any] | None = None,
     ):
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"DSpark speculative decoding supports batch size 1, got {input_ids.shape[0]}; "
-                "call generate once per prompt."
-            )
-        if generation_config.num_beams > 1:
-            raise ValueError(f"DSpark speculative decoding does not support beam search (num_beams={generation_config.num_beams}); use num_beams=1.")
-        if generation_config.num_return_sequences > 1:
-            raise ValueError(
-                f"DSpark speculative decoding returns one sequence (num_return_sequences={generation_config.num_return_sequences}); "
-                "call generate repeatedly instead."
-            )
+        _check_generation_limits(generation_config, batch_size=input_ids.shape[0])
         attention_mask = (model_kwargs or {}).get("attention_mask")
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("DSpark speculative decoding needs an unpadded prompt (attention_mask all ones); drop the padding.")
@@ -905,6 +894,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         drafter.last_generation_stats = self.stats
         self._last_drafted = 0
         self._verify_started = None
+        self._prefilled = False
 
     def get_candidates(
         self,
@@ -954,9 +944,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         if self._verify_started is not None:
             self.stats.verify_time_s += time.perf_counter() - self._verify_started
-        if self._last_drafted:
+        if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
             self.stats.drafted.append(self._last_drafted)
             self.stats.accepted.append(int(num_matches))
+        self._prefilled = True
 
 
 def _dspark_candidate_generator_factory(
@@ -975,16 +966,33 @@ DSPARK_FACTORY_ATTRIBUTE = "_dspark_candidate_generator_factory"
 DSparkForDrafting._dspark_candidate_generator_factory = _dspark_candidate_generator_factory
 
 
+def _check_generation_limits(generation_config: GenerationConfig, batch_size: int | None = None):
+    """The limits of assisted generation, each as one clear error (transformers would silently beam-search)."""
+    if generation_config.num_beams > 1:
+        raise ValueError(
+            f"DSpark speculative decoding does not support beam search (num_beams={generation_config.num_beams}); use num_beams=1."
+        )
+    if generation_config.num_return_sequences > 1:
+        raise ValueError(
+            f"DSpark speculative decoding returns one sequence (num_return_sequences={generation_config.num_return_sequences}); "
+            "call generate repeatedly instead."
+        )
+    if batch_size is not None and batch_size != 1:
+        raise ValueError(f"DSpark speculative decoding supports batch size 1, got {batch_size}; call generate once per prompt.")
+
+
 def install_dspark_routing():
     """Wrap `GenerationMixin._get_candidate_generator` once so DSpark assistants get their own generator.
 
-    Idempotent across every copy of this module (the library's and each checkpoint's remote code): the wrapper is
-    marked, and it dispatches on the assistant's own factory, so plain small-LM assistants, prompt lookup and
-    `speculation_type="dflash"` take the original path untouched.
+    Idempotent across every copy of this module (the library's and each checkpoint's remote code): the wrappers are
+    marked, and they dispatch on the assistant's own factory, so plain small-LM assistants, prompt lookup and
+    `speculation_type="dflash"` take the original path untouched. A second wrapper on `_validate_generation_mode`
+    turns the modes a drafter cannot serve (beam search) into a clear error instead of silently ignoring it.
     """
     original = GenerationMixin._get_candidate_generator
     if getattr(original, "_dspark_routing", False):
         return
+    original_validate = GenerationMixin._validate_generation_mode
 
     @functools.wraps(original)
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
@@ -1001,8 +1009,16 @@ def install_dspark_routing():
                         assistant_model=assistant_model, target_tokenizer=target_tokenizer,
                         assistant_tokenizer=assistant_tokenizer)
 
+    @functools.wraps(original_validate)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        if getattr(generation_mode_kwargs.get("assistant_model"), DSPARK_FACTORY_ATTRIBUTE, None) is not None:
+            _check_generation_limits(generation_config)
+        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
+
     _get_candidate_generator._dspark_routing = True
+    _validate_generation_mode._dspark_routing = True
     GenerationMixin._get_candidate_generator = _get_candidate_generator
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
 
 
 install_dspark_routing()
