@@ -1,0 +1,473 @@
+"""Hidden-state cache: one teacher-forced target pass per sample, stored once, read many times by training.
+
+Training a drafter offline needs, per token, the target's aux hidden states (fused into the drafter's context) and
+its final post-norm hidden state (target logits are recomputed through the frozen LM head at train time — logits
+are never stored: V_t floats per token would dwarf everything else). Capture asks the target only for the layers
+it needs (`output_hidden_states=[ids..., last]`), so nothing else is materialized.
+
+Layout of `<dir>` (other modules read it; keep it stable):
+  manifest.json            format_version, target, target_revision, aux_hidden_state_layer_ids (speculators
+                           convention: index into HF hidden_states, 0 = embeddings, k = output of decoder layer k-1),
+                           hidden_size, vocab_size, num_hidden_layers, dtype, num_samples, num_tokens,
+                           shards [{file, num_samples, num_tokens, sha256, bytes}], complete
+  shard-00000.safetensors  packed samples: input_ids int64 [ΣT], loss_mask uint8 [ΣT],
+                           aux_hidden_states [ΣT, m·d], final_hidden_state [ΣT, d], offsets int64 [n+1]
+
+`target_revision` is the Hub commit hash when transformers knows it, else ``sha256:<hex>`` of the target's config
+JSON and its first weight tensor (cheap, and changes whenever the checkpoint does).
+
+Resumable after kill -9: sample i always lands in shard i // shard_size, a shard is written to a temp name and
+renamed, finished shards are never rewritten, and the manifest is rewritten atomically after each shard, so a
+restart recomputes only the missing shards and produces the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from bisect import bisect_right
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+SHARD_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state", "offsets")
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
+    """Low, middle and high layers with the Kimi-K2.6 DSpark spacing ([1, 29, 57] of 61 layers)."""
+    n = num_hidden_layers
+    return sorted({1, max(1, (n - 3) // 2), max(1, n - 4)})
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(payload, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def target_revision(model) -> str:
+    """Hub commit hash if known, else sha256 of the config JSON + the first weight tensor (see module docstring)."""
+    commit = getattr(model.config, "_commit_hash", None)
+    if commit:
+        return str(commit)
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    name, tensor = next(iter(model.state_dict().items()))
+    digest.update(name.encode())
+    digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return "sha256:" + digest.hexdigest()
+
+
+def _target_geometry(model) -> tuple[int, int, int]:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return config.hidden_size, config.vocab_size, config.num_hidden_layers
+
+
+def _inputs_digest(samples: list[dict[str, torch.Tensor]]) -> str:
+    digest = hashlib.sha256()
+    for sample in samples:
+        digest.update(sample["input_ids"].numpy().tobytes())
+        digest.update(sample["loss_mask"].to(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def estimate_bytes(num_tokens: int, num_aux_layers: int, hidden_size: int, dtype: str) -> int:
+    """tokens × (m+1) × d × bytes, plus 9 bytes/token of ids and mask."""
+    return num_tokens * ((num_aux_layers + 1) * hidden_size * DTYPES[dtype].itemsize + 9)
+
+
+@torch.inference_mode()
+def capture_hidden_states(
+    model, samples: list[dict[str, torch.Tensor]], aux_layer_ids: list[int], dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One right-padded teacher-forced pass over `samples`; per sample (aux [T, m·d], final [T, d]).
+
+    Right padding keeps every real token at its own position and, with a causal mask, unaffected by the pads; each
+    sample is then sliced back to its length.
+    """
+    _, _, num_layers = _target_geometry(model)
+    lengths = [len(s["input_ids"]) for s in samples]
+    batch, longest = len(samples), max(lengths)
+    device = next(model.parameters()).device
+    input_ids = torch.zeros(batch, longest, dtype=torch.int64)  # [b, T_max]
+    attention_mask = torch.zeros(batch, longest, dtype=torch.int64)  # [b, T_max]
+    for row, sample in enumerate(samples):
+        input_ids[row, : lengths[row]] = sample["input_ids"]
+        attention_mask[row, : lengths[row]] = 1
+    wanted = sorted(set(aux_layer_ids) | {num_layers})
+    outputs = model(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        output_hidden_states=wanted,
+        use_cache=False,
+        logits_to_keep=1,  # the LM head is recomputed at train time; skip it here
+    )
+    hidden = outputs.hidden_states  # tuple over L+1, None where not requested; each [b, T_max, d]
+    aux = torch.cat([hidden[i] for i in aux_layer_ids], dim=-1).to(dtype)  # [b, T_max, m·d]
+    final = hidden[num_layers].to(dtype)  # [b, T_max, d]
+    return [(aux[row, :n].cpu(), final[row, :n].cpu()) for row, n in enumerate(lengths)]
+
+
+def _write_shard(path: Path, samples: list[dict], captured: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.int64)
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)  # [n+1]
+    offsets[1:] = torch.cumsum(lengths, 0)
+    tensors = {
+        "input_ids": torch.cat([s["input_ids"] for s in samples]).to(torch.int64),  # [ΣT]
+        "loss_mask": torch.cat([s["loss_mask"] for s in samples]).to(torch.uint8),  # [ΣT]
+        "aux_hidden_states": torch.cat([a for a, _ in captured]).contiguous(),  # [ΣT, m·d]
+        "final_hidden_state": torch.cat([f for _, f in captured]).contiguous(),  # [ΣT, d]
+        "offsets": offsets,
+    }
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _shard_entry(path: Path) -> dict:
+    with safe_open(str(path), framework="pt") as handle:
+        offsets = handle.get_tensor("offsets")
+    return {
+        "file": path.name,
+        "num_samples": len(offsets) - 1,
+        "num_tokens": int(offsets[-1]),
+        "sha256": _sha256_file(path),
+        "bytes": path.stat().st_size,
+    }
+
+
+def build_cache(
+    model,
+    tokenizer,
+    conversations: list[dict],
+    output_dir: str | os.PathLike,
+    aux_layer_ids: list[int] | None = None,
+    dtype: str = "bfloat16",
+    shard_size: int = 256,
+    batch_size: int = 8,
+    max_length: int | None = 2048,
+    progress: bool = True,
+    log=print,
+) -> dict:
+    """Capture the target's hidden states for `conversations` into `output_dir`; resumes a partial cache.
+
+    `conversations` are normalized conversations (see `dspark_hf.data`); `aux_layer_ids` use the speculators
+    convention. Returns the final manifest.
+    """
+    from .data import tokenize_conversations
+
+    if dtype not in DTYPES:
+        raise ValueError(f"cache dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if shard_size < 1 or batch_size < 1:
+        raise ValueError(f"shard_size={shard_size} and batch_size={batch_size} must be >= 1")
+    hidden_size, vocab_size, num_layers = _target_geometry(model)
+    aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(num_layers)
+    bad = [i for i in aux_layer_ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(
+            f"aux layer ids {bad} are outside the target's hidden states [0, {num_layers}] "
+            f"({num_layers} decoder layers; speculators convention, 0 = embeddings); pick ids in that range"
+        )
+    samples = tokenize_conversations(tokenizer, conversations, max_length=max_length)
+    num_shards = (len(samples) + shard_size - 1) // shard_size
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "target": getattr(model, "name_or_path", None) or model.config.name_or_path,
+        "target_revision": target_revision(model),
+        "aux_hidden_state_layer_ids": aux_layer_ids,
+        "hidden_size": hidden_size,
+        "vocab_size": vocab_size,
+        "num_hidden_layers": num_layers,
+        "dtype": dtype,
+        "shard_size": shard_size,
+        "max_length": max_length,
+        "inputs_sha256": _inputs_digest(samples),
+        "num_shards": num_shards,
+        "num_samples": 0,
+        "num_tokens": 0,
+        "shards": [],
+        "complete": False,
+    }
+    done: dict[str, dict] = {}
+    manifest_path = output_dir / MANIFEST
+    if manifest_path.is_file():
+        previous = json.loads(manifest_path.read_text())
+        for key in ("target", "target_revision", "aux_hidden_state_layer_ids", "dtype", "shard_size", "max_length", "inputs_sha256"):
+            if previous.get(key) != manifest[key]:
+                raise ValueError(
+                    f"{output_dir} already holds a cache with a different {key} ({previous.get(key)!r} vs "
+                    f"{manifest[key]!r}); use a new output directory or delete it to start over"
+                )
+        done = {s["file"]: s for s in previous.get("shards", []) if (output_dir / s["file"]).is_file()}
+    for stale in output_dir.glob(".shard-*.tmp"):  # a shard interrupted mid-write
+        stale.unlink()
+
+    todo = [k for k in range(num_shards) if shard_name(k) not in done]
+    for k in list(todo):  # renamed but killed before the manifest caught up: adopt it, never rewrite it
+        path = output_dir / shard_name(k)
+        if path.is_file():
+            try:
+                done[path.name] = _shard_entry(path)
+                todo.remove(k)
+            except Exception:
+                path.unlink()
+
+    total_tokens = sum(len(s["input_ids"]) for s in samples)
+    todo_tokens = sum(len(s["input_ids"]) for k in todo for s in samples[k * shard_size : (k + 1) * shard_size])
+    need = estimate_bytes(todo_tokens, len(aux_layer_ids), hidden_size, dtype)
+    free = shutil.disk_usage(output_dir).free
+    log(
+        f"cache: {len(samples)} samples, {total_tokens} tokens, {num_shards} shards ({len(todo)} to compute); "
+        f"aux layers {aux_layer_ids}, d={hidden_size}, {dtype}: ~{estimate_bytes(total_tokens, len(aux_layer_ids), hidden_size, dtype) / 2**30:.3f} GiB "
+        f"(tokens × (m+1) × d × bytes), {need / 2**30:.3f} GiB still to write, {free / 2**30:.1f} GiB free"
+    )
+    if need > free:
+        raise ValueError(
+            f"not enough disk space in {output_dir}: the cache needs ~{need / 2**30:.2f} GiB more but only "
+            f"{free / 2**30:.2f} GiB is free; free space, pick another --output, or cache fewer samples"
+        )
+
+    def publish():
+        manifest["shards"] = [done[shard_name(k)] for k in range(num_shards) if shard_name(k) in done]
+        manifest["num_samples"] = sum(s["num_samples"] for s in manifest["shards"])
+        manifest["num_tokens"] = sum(s["num_tokens"] for s in manifest["shards"])
+        manifest["complete"] = len(manifest["shards"]) == num_shards
+        _write_json_atomic(manifest_path, manifest)
+
+    publish()
+    store_dtype = DTYPES[dtype]
+    model.eval()
+    bar = tqdm(total=todo_tokens, unit="tok", desc="cache", disable=not progress)
+    for k in todo:
+        shard_samples = samples[k * shard_size : (k + 1) * shard_size]
+        # Batch by length inside the shard (less padding); the order is fixed, so a rerun computes the same bytes.
+        order = sorted(range(len(shard_samples)), key=lambda i: (len(shard_samples[i]["input_ids"]), i))
+        captured: list = [None] * len(shard_samples)
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            for row, result in zip(rows, capture_hidden_states(model, [shard_samples[i] for i in rows], aux_layer_ids, store_dtype)):
+                captured[row] = result
+            bar.update(sum(len(shard_samples[i]["input_ids"]) for i in rows))
+        path = output_dir / shard_name(k)
+        _write_shard(path, shard_samples, captured)
+        done[path.name] = _shard_entry(path)
+        publish()
+    bar.close()
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------------------- reader
+class HiddenStateCache(torch.utils.data.Dataset):
+    """Memory-mapped reader of a finished cache: `cache[i]` -> {input_ids [T], loss_mask bool [T],
+    aux_hidden_states [T, m·d], final_hidden_state [T, d]}. Only the rows of sample i are read from disk."""
+
+    def __init__(self, path: str | os.PathLike, verify: bool = False):
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        if not manifest_path.is_file():
+            raise FileNotFoundError(f"{self.path} is not a hidden-state cache (no {MANIFEST}); build one with `dspark-hf cache`")
+        self.manifest = json.loads(manifest_path.read_text())
+        if self.manifest.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"cache {self.path} has format_version {self.manifest.get('format_version')}, this reader reads "
+                f"{FORMAT_VERSION}; rebuild it with this version of `dspark-hf cache`"
+            )
+        if not self.manifest.get("complete"):
+            raise ValueError(
+                f"cache {self.path} is incomplete ({len(self.manifest.get('shards', []))} of "
+                f"{self.manifest.get('num_shards', '?')} shards); rerun the same `dspark-hf cache` command to finish it"
+            )
+        for shard in self.manifest["shards"]:
+            file = self.path / shard["file"]
+            if not file.is_file():
+                raise ValueError(f"cache {self.path}: shard {shard['file']} is missing; rerun `dspark-hf cache` to rebuild it")
+            if "bytes" in shard and file.stat().st_size != shard["bytes"]:
+                raise ValueError(
+                    f"cache {self.path}: shard {shard['file']} is truncated or corrupt ({file.stat().st_size} bytes, "
+                    f"manifest says {shard['bytes']}); delete it and rerun `dspark-hf cache` to rebuild it"
+                )
+        self._starts = [0]  # first global sample index of each shard
+        for shard in self.manifest["shards"]:
+            self._starts.append(self._starts[-1] + shard["num_samples"])
+        self._handles: dict[int, object] = {}
+        self._offsets: dict[int, torch.Tensor] = {}
+        if verify:
+            self.verify()
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    @property
+    def aux_hidden_state_layer_ids(self) -> list[int]:
+        return list(self.manifest["aux_hidden_state_layer_ids"])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.manifest["num_tokens"])
+
+    def _open(self, shard: int):
+        if shard not in self._handles:
+            file = self.path / self.manifest["shards"][shard]["file"]
+            try:
+                handle = safe_open(str(file), framework="pt")
+                offsets = handle.get_tensor("offsets")
+            except Exception as error:
+                raise ValueError(
+                    f"cache {self.path}: shard {file.name} cannot be read ({error}); delete it and rerun `dspark-hf cache`"
+                ) from None
+            self._handles[shard], self._offsets[shard] = handle, offsets
+        return self._handles[shard], self._offsets[shard]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range for a cache of {len(self)} samples")
+        shard = bisect_right(self._starts, index) - 1
+        handle, offsets = self._open(shard)
+        local = index - self._starts[shard]
+        start, end = int(offsets[local]), int(offsets[local + 1])
+        return {
+            "input_ids": handle.get_slice("input_ids")[start:end],  # int64 [T]
+            "loss_mask": handle.get_slice("loss_mask")[start:end].bool(),  # bool [T]
+            "aux_hidden_states": handle.get_slice("aux_hidden_states")[start:end],  # [T, m·d]
+            "final_hidden_state": handle.get_slice("final_hidden_state")[start:end],  # [T, d]
+        }
+
+    def __iter__(self):
+        for index in range(len(self)):
+            yield self[index]
+
+    def iter_shards(self):
+        """Whole shards as packed tensors (input_ids, loss_mask, aux_hidden_states, final_hidden_state, offsets)."""
+        for shard in range(len(self.manifest["shards"])):
+            handle, _ = self._open(shard)
+            yield {name: handle.get_tensor(name) for name in SHARD_TENSORS}
+
+    def __getstate__(self):  # DataLoader workers reopen their own memory maps
+        state = dict(self.__dict__)
+        state["_handles"], state["_offsets"] = {}, {}
+        return state
+
+    def verify(self) -> None:
+        """Recompute every shard's sha256; raise naming the first corrupt shard."""
+        for shard in self.manifest["shards"]:
+            actual = _sha256_file(self.path / shard["file"])
+            if actual != shard["sha256"]:
+                raise ValueError(
+                    f"cache {self.path}: shard {shard['file']} is corrupt (sha256 {actual[:12]}… != manifest "
+                    f"{shard['sha256'][:12]}…); delete it and rerun `dspark-hf cache` to rebuild it"
+                )
+
+    def validate_against(self, config) -> None:
+        """Refuse a cache captured from another target or other layers than the drafter `config` expects."""
+        m = self.manifest
+        expected = list(config.aux_hidden_state_layer_ids)
+        if expected != list(m["aux_hidden_state_layer_ids"]):
+            raise ValueError(
+                f"cache {self.path} holds aux layers {m['aux_hidden_state_layer_ids']} but the drafter expects "
+                f"{expected}; rebuild the cache with --aux-layers {','.join(map(str, expected))} or set "
+                f"aux_hidden_state_layer_ids={m['aux_hidden_state_layer_ids']} in the drafter config"
+            )
+        if config.target_hidden_size != m["hidden_size"]:
+            raise ValueError(
+                f"cache {self.path} was captured from a target with hidden size {m['hidden_size']} ({m['target']}) "
+                f"but the drafter expects target_hidden_size={config.target_hidden_size}; build the drafter for "
+                f"{m['target']} or cache the drafter's own target"
+            )
+        layers = getattr(config, "target_num_hidden_layers", None)
+        if layers is not None and layers != m["num_hidden_layers"]:
+            raise ValueError(
+                f"cache {self.path} was captured from a target with {m['num_hidden_layers']} layers ({m['target']}) "
+                f"but the drafter expects target_num_hidden_layers={layers}; build the drafter for {m['target']} "
+                "or cache the drafter's own target"
+            )
+        if config.vocab_size != m["vocab_size"]:
+            raise ValueError(
+                f"cache {self.path} was captured from a target with vocab size {m['vocab_size']} ({m['target']}) "
+                f"but the drafter has vocab_size={config.vocab_size}; build the drafter for {m['target']} or cache "
+                "the drafter's own target"
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run the target once per sample (teacher-forced) and store input_ids, the assistant loss mask, the "
+        "concatenated aux hidden states and the final post-norm hidden state as sharded safetensors plus a "
+        "manifest. Rerunning the same command resumes an interrupted cache."
+    )
+    parser.add_argument("--target", required=True, help="target model path or Hub id; `smollm2` = the offline SmolLM2-135M-Instruct")
+    parser.add_argument("--dataset", required=True, help="JSONL (OpenAI messages or ShareGPT), or `chitchat` / `chatterbot`")
+    parser.add_argument("--output", required=True, help="cache directory (created; an existing partial cache is resumed)")
+    parser.add_argument(
+        "--aux-layers",
+        default=None,
+        help="comma-separated aux layer ids, speculators convention (0 = embeddings, k = output of decoder layer "
+        "k-1); default: low/middle/high with the Kimi-K2.6 DSpark spacing",
+    )
+    parser.add_argument("--split", default="train", choices=["train", "validation", "test", "all"], help="hash split to cache (default: train)")
+    parser.add_argument("--limit", type=int, default=None, help="cache only the first N conversations of the split")
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="storage dtype of hidden states (default: bfloat16)")
+    parser.add_argument("--target-dtype", default="float32", choices=list(DTYPES), help="dtype the target runs in (default: float32)")
+    parser.add_argument("--max-length", type=int, default=2048, help="truncate samples to this many tokens (default: 2048)")
+    parser.add_argument("--shard-size", type=int, default=256, help="samples per shard (default: 256)")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per target forward (default: 8)")
+    parser.add_argument("--device", default="cpu", help="device of the target (default: cpu)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .data import check_dataset, load_conversations, load_target, split_conversations
+
+    conversations = load_conversations(args.dataset)
+    check_dataset(conversations, str(args.dataset))
+    if args.split != "all":
+        conversations = split_conversations(conversations)[args.split]
+    if args.limit is not None:
+        conversations = conversations[: args.limit]
+    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    model, tokenizer = load_target(args.target, dtype=args.target_dtype, device=args.device)
+    manifest = build_cache(
+        model,
+        tokenizer,
+        conversations,
+        args.output,
+        aux_layer_ids=aux,
+        dtype=args.dtype,
+        shard_size=args.shard_size,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+    )
+    print(f"cache: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens in {len(manifest['shards'])} shards -> {args.output}")
+    return 0

@@ -1,0 +1,163 @@
+"""Dataset formats, the assistant loss mask under the real chat template, deterministic splits, and regeneration."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from dspark_hf.assets import smollm2_path
+from dspark_hf.data import (
+    chatterbot_conversations,
+    chitchat_conversations,
+    read_jsonl,
+    split_conversations,
+    split_of,
+    tokenize_conversation,
+    tokenize_conversations,
+    write_jsonl,
+)
+from dspark_hf.regenerate import regenerate_conversations
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "Tell me a joke about cats."},
+    {"role": "assistant", "content": "Cats don't tell jokes; they just purr at yours."},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(smollm2_path())
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=len(tokenizer))
+    return LlamaForCausalLM(config).eval()
+
+
+def test_openai_and_sharegpt_read_the_same(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    sharegpt = {"id": "b", "conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
+                                              "value": m["content"]} for m in CHAT]}
+    path.write_text(json.dumps({"id": "a", "messages": CHAT}) + "\n\n" + json.dumps(sharegpt) + "\n")
+    a, b = read_jsonl(path)
+    assert a == {"id": "a", "messages": CHAT} and b["messages"] == CHAT
+    write_jsonl(tmp_path / "out.jsonl", [a, b])
+    assert read_jsonl(tmp_path / "out.jsonl") == [a, {"id": "b", "messages": CHAT}]
+
+
+def test_records_without_id_get_a_stable_content_id(tmp_path):
+    path = tmp_path / "noid.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n")
+    assert read_jsonl(path)[0]["id"] == read_jsonl(path)[0]["id"] != ""
+
+
+def test_unknown_format_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"prompt": "x", "completion": "y"}) + "\n")
+    with pytest.raises(ValueError, match=rf"{path.name}:2: unknown record format"):
+        read_jsonl(path)
+    path.write_text("{not json\n")
+    with pytest.raises(ValueError, match=rf"{path.name}:1: not valid JSON"):
+        read_jsonl(path)
+    path.write_text(json.dumps({"conversations": [{"from": "robot", "value": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match=rf"{path.name}:1: unknown ShareGPT speaker 'robot'"):
+        read_jsonl(path)
+
+
+def test_loss_mask_is_exactly_the_assistant_tokens(tokenizer):
+    sample = tokenize_conversation(tokenizer, CHAT)
+    ids, mask = sample["input_ids"], sample["loss_mask"]
+    assert ids.dtype == torch.int64 and mask.dtype == torch.uint8
+    assert ids.tolist() == tokenizer.apply_chat_template(CHAT, tokenize=True)["input_ids"]
+    # contiguous runs of 1s, decoded, are each reply followed by its end-of-turn token — nothing else
+    runs, current = [], []
+    for token, bit in zip(ids.tolist(), mask.tolist()):
+        if bit:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    runs += [current] if current else []
+    replies = [m["content"] for m in CHAT if m["role"] == "assistant"]
+    assert [tokenizer.decode(r) for r in runs] == [r + "<|im_end|>" for r in replies]
+    # everything before the first reply (system, user, "assistant\n" header) is prompt
+    header = tokenizer.apply_chat_template(CHAT[:2], tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert mask[: len(header)].sum() == 0 and mask[len(header)] == 1
+
+
+def test_loss_mask_on_real_corpora(tokenizer):
+    convs = chatterbot_conversations()[:20] + chitchat_conversations()[:5]
+    for conv, sample in zip(convs, tokenize_conversations(tokenizer, convs)):
+        n_assistant = sum(m["role"] == "assistant" for m in conv["messages"])
+        assert int((sample["input_ids"][sample["loss_mask"].bool()] == tokenizer.convert_tokens_to_ids("<|im_end|>")).sum()) == n_assistant
+    truncated = tokenize_conversation(tokenizer, CHAT, max_length=10)
+    assert truncated["input_ids"].shape == truncated["loss_mask"].shape == (10,)
+
+
+def test_bad_datasets_and_tokenizers(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="is empty"):
+        tokenize_conversations(tokenizer, [])
+    with pytest.raises(ValueError, match="no assistant turns.*dspark-hf regenerate"):
+        tokenize_conversations(tokenizer, [{"id": "u", "messages": [{"role": "user", "content": "hi"}]}])
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        tokenize_conversation(plain, CHAT)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        tokenize_conversations(tokenizer, read_jsonl(empty))
+
+
+def test_corpora_convert_human_turns_to_prompts():
+    chitchat = chitchat_conversations()
+    chatterbot = chatterbot_conversations()
+    assert len(chitchat) > 7000 and len(chatterbot) > 2000
+    for conv in chitchat[:50] + chatterbot[:50]:
+        roles = [m["role"] for m in conv["messages"]]
+        assert roles[0] == "user" and all(a != b for a, b in zip(roles, roles[1:]))  # alternating, user first
+    assert len({c["id"] for c in chitchat}) == len(chitchat)
+
+
+def test_split_is_deterministic_disjoint_and_stable():
+    convs = chatterbot_conversations()
+    splits = split_conversations(convs, validation=0.1, test=0.1)
+    ids = {name: {c["id"] for c in part} for name, part in splits.items()}
+    assert not (ids["train"] & ids["test"]) and not (ids["train"] & ids["validation"]) and not (ids["validation"] & ids["test"])
+    assert sum(map(len, ids.values())) == len(convs)
+    assert 0.05 < len(ids["test"]) / len(convs) < 0.15
+    again = split_conversations(list(reversed(convs))[:500], validation=0.1, test=0.1)  # reordered subset
+    assert all(split_of(c["id"], 0.1, 0.1) == "test" for c in again["test"]) and {c["id"] for c in again["test"]} <= ids["test"]
+
+
+def test_regenerate_writes_the_target_answers_and_resumes(tiny, tokenizer, tmp_path):
+    convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Question number {i}?"},
+                                           {"role": "assistant", "content": "a human answer"},
+                                           {"role": "user", "content": "And then?"}]} for i in range(5)]
+    out = tmp_path / "regen.jsonl"
+    assert regenerate_conversations(tiny, tokenizer, convs[:2], out, max_new_tokens=4, batch_size=2, progress=False) == 2
+    with open(out, "a") as handle:
+        handle.write('{"id": "c2", "messages": [{"role": "us')  # a kill in the middle of a line
+    assert regenerate_conversations(tiny, tokenizer, convs, out, max_new_tokens=4, batch_size=2, progress=False) == 3
+    records = read_jsonl(out)
+    assert [r["id"] for r in records] == ["c0", "c1", "c2", "c3", "c4"]
+    for record, conv in zip(records, convs):
+        roles = [m["role"] for m in record["messages"]]
+        assert roles == ["user", "assistant", "user", "assistant"]
+        assert [m["content"] for m in record["messages"] if m["role"] == "user"] == ["Question number " + conv["id"][1:] + "?", "And then?"]
+        assert all(m["content"] != "a human answer" for m in record["messages"])
+    # greedy regeneration is exactly what the target writes alone
+    prompt = tokenizer.apply_chat_template(records[0]["messages"][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    alone = tiny.generate(**prompt, max_new_tokens=4, do_sample=False)
+    assert tokenizer.decode(alone[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True).strip() == records[0]["messages"][1]["content"]
+    assert regenerate_conversations(tiny, tokenizer, convs, out, progress=False) == 0  # all done
