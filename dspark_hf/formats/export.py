@@ -1,0 +1,109 @@
+"""`dspark-hf export --format speculators SRC DST`: a drafter ready for vLLM (`"method": "dspark"`) and speculators.
+
+Our checkpoints already use that layout; export makes it self-contained and canonical: bf16 weights with `d2t`
+int64 / `t2d` bool in one safetensors file, `speculators_config.verifier` filled in, and `embed_tokens`/`lm_head`
+written out (vLLM and the Kimi card expect them in the file) — copied from the target with `--target` when the
+checkpoint binds them at attach time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from .convert import DTYPES
+from .speculators import DraftCheckpoint, read_speculators, write_checkpoint
+
+FORMATS = ("speculators",)
+
+
+@torch.no_grad()
+def bind_from_target(checkpoint: DraftCheckpoint, target) -> DraftCheckpoint:
+    """Copy the target's embedding table and the draft-vocab rows of its LM head into the checkpoint."""
+    config, text = checkpoint.config, target.config.get_text_config()
+    if text.vocab_size != config.vocab_size or text.hidden_size != config.target_hidden_size:
+        raise ValueError(
+            f"target vocab/hidden size {text.vocab_size}/{text.hidden_size} differ from the drafter's "
+            f"{config.vocab_size}/{config.target_hidden_size}; pass the target this drafter was trained for."
+        )
+    d2t = checkpoint.tensors["d2t"]
+    rows = torch.arange(d2t.numel()) + d2t
+    checkpoint.tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().cpu().clone()
+    checkpoint.tensors["lm_head.weight"] = target.get_output_embeddings().weight.detach().cpu()[rows].clone()
+    config.bind_target_embeddings = False
+    config.verifier_name_or_path = config.verifier_name_or_path or target.config.name_or_path
+    config.verifier_architectures = config.verifier_architectures or list(target.config.architectures or [])
+    return checkpoint
+
+
+def export(
+    source: str | Path,
+    destination: str | Path,
+    *,
+    verifier: str | None = None,
+    verifier_architectures: list[str] | None = None,
+    target=None,
+    dtype: str = "bfloat16",
+    format: str = "speculators",
+) -> Path:
+    """Export `source` (this project's layout) to `destination`; `target` is a loaded model or a path to bind from."""
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format {format!r}; use one of {', '.join(FORMATS)}.")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
+    destination = Path(destination)
+    if destination.exists() and any(destination.iterdir()):
+        raise FileExistsError(f"{destination} is not empty; choose a new output directory.")
+    checkpoint = read_speculators(source)
+    if target is not None:
+        if isinstance(target, (str, Path)):
+            from transformers import AutoModelForCausalLM
+
+            target = AutoModelForCausalLM.from_pretrained(target, dtype="auto")
+        bind_from_target(checkpoint, target)
+    if checkpoint.config.bind_target_embeddings:
+        raise ValueError(
+            "the checkpoint binds embed_tokens/lm_head from the target at attach time and does not contain them; "
+            "pass --target PATH so export can write them (vLLM reads them from the drafter's file)."
+        )
+    if verifier:
+        checkpoint.config.verifier_name_or_path = verifier
+    if verifier_architectures:
+        checkpoint.config.verifier_architectures = list(verifier_architectures)
+    if not checkpoint.config.verifier_name_or_path:
+        raise ValueError("speculators_config.verifier.name_or_path is unknown; pass --verifier NAME (the target's Hub id).")
+    # The source is already in this layout: keep only the record of an earlier conversion into it, if any.
+    record = Path(source) / "conversion.json"
+    checkpoint.conversion = json.loads(record.read_text()) if record.is_file() else {}
+    return write_checkpoint(checkpoint, destination, dtype=DTYPES[dtype])
+
+
+def add_arguments(parser: argparse.ArgumentParser):
+    parser.add_argument("source", help="drafter directory (this project's layout)")
+    parser.add_argument("destination", help="output directory (new or empty)")
+    parser.add_argument("--format", default="speculators", choices=FORMATS, help="output layout")
+    parser.add_argument("--verifier", help="the target's Hub id, written to speculators_config.verifier.name_or_path")
+    parser.add_argument("--verifier-architecture", action="append", dest="verifier_architectures",
+                        help="target architecture class name (repeatable), e.g. Qwen3ForCausalLM")
+    parser.add_argument("--target", help="target model path or Hub id to copy embed_tokens/lm_head from")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="floating-point dtype (auto = keep)")
+
+
+def run(args: argparse.Namespace) -> int:
+    destination = export(
+        args.source,
+        args.destination,
+        verifier=args.verifier,
+        verifier_architectures=args.verifier_architectures,
+        target=args.target,
+        dtype=args.dtype,
+        format=args.format,
+    )
+    print(f"wrote {destination} (speculators/vLLM layout)")
+    return 0
+
+
+__all__ = ["FORMATS", "add_arguments", "bind_from_target", "export", "run"]
