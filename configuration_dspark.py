@@ -173,7 +173,7 @@ class DSparkConfig(PreTrainedConfig):
         """Take the verifier identity from a loaded speculators block (the rest of it is derived on save)."""
         verifier = (speculators_config or {}).get("verifier") or {}
         self.verifier_name_or_path = self.verifier_name_or_path or verifier.get("name_or_path")
-        self.verifier_architectures = self.verifier_architectures or verifier.get("architectures")
+        self.verifier_architectures = self.verifier_architectures or verifier.get("architectures") or None
 
     def _check(self):
         """One clear error per impossible combination (DESIGN §9)."""

@@ -91,6 +91,16 @@ def make_drafter(target, seed: int = 0, **overrides) -> DSparkForDrafting:
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's real tokenizer and ChatML template (tiny random chat targets share it)."""
+    from transformers import AutoTokenizer
+
+    from dspark_hf.assets import smollm2_path
+
+    return AutoTokenizer.from_pretrained(smollm2_path())
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct target in fp32 (exactness) and its tokenizer."""
     from dspark_hf.assets import load_smollm2

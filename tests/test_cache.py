@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from conftest import make_tiny_target
+from transformers import AutoTokenizer, LlamaForCausalLM
 
-from dspark_hf.assets import load_smollm2, smollm2_path
 from dspark_hf.cache import HiddenStateCache, build_cache, shard_name
 from dspark_hf.data import chatterbot_conversations, read_jsonl, tokenize_conversation
 from dspark_hf.remote_code.configuration_dspark import DSparkConfig
@@ -25,21 +25,13 @@ AUX = [1, 2, 3]
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(smollm2_path())
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny(tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=len(tokenizer))
-    return LlamaForCausalLM(config).eval()
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_smollm2(dtype="float32")
+    return make_tiny_target("llama", vocab_size=len(tokenizer), layers=4)
 
 
 @pytest.fixture(scope="module")

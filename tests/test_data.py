@@ -7,9 +7,8 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from conftest import make_tiny_target
 
-from dspark_hf.assets import smollm2_path
 from dspark_hf.data import (
     chatterbot_conversations,
     chitchat_conversations,
@@ -32,16 +31,13 @@ CHAT = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(smollm2_path())
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny(tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=len(tokenizer))
-    return LlamaForCausalLM(config).eval()
+    return make_tiny_target("llama", vocab_size=len(tokenizer), layers=2)
 
 
 def test_openai_and_sharegpt_read_the_same(tmp_path):

@@ -31,7 +31,7 @@ from .speculators import (
     markov_head_type_of,
     read_json,
     reject_sliding_layers,
-    rope_parameters_of,
+    qwen3_geometry,
     strip_wrapper_prefix,
 )
 
@@ -57,21 +57,10 @@ def read_deepspec(directory: str | Path) -> DraftCheckpoint:
     vocab_size = int(raw["vocab_size"])
     tensors.update(full_vocab_maps(vocab_size))
     hidden_size = int(raw["hidden_size"])
-    heads = int(raw["num_attention_heads"])
     markov_rank, confidence, with_markov = infer_heads(raw, tensors, hidden_size)
     target_layer_ids = [int(i) for i in raw["target_layer_ids"]]
     config = DSparkConfig(
-        hidden_size=hidden_size,
-        intermediate_size=int(raw["intermediate_size"]),
-        num_hidden_layers=int(raw["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden_size // heads),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-        rope_parameters=rope_parameters_of(raw),
-        hidden_act=raw.get("hidden_act", "silu"),
-        attention_bias=bool(raw.get("attention_bias", False)),
+        **qwen3_geometry(raw),
         vocab_size=vocab_size,
         draft_vocab_size=vocab_size,
         block_size=int(raw["block_size"]),

@@ -217,7 +217,7 @@ def read_speculators(directory: str | Path) -> DraftCheckpoint:
     if algorithm == "dflash" and (markov_rank or confidence):
         raise ValueError(f"{what}: a 'dflash' checkpoint carries Markov/confidence head tensors; label it 'dspark'.")
     config = DSparkConfig(
-        **_geometry(layer),
+        **qwen3_geometry(layer),
         vocab_size=layer["vocab_size"],
         draft_vocab_size=draft_vocab_size,
         block_size=int(raw.get("block_size", 8)),
@@ -296,17 +296,17 @@ def _full_layer_config(layer_config: dict[str, Any], what: str) -> dict[str, Any
     return values
 
 
-def _geometry(layer: dict[str, Any]) -> dict[str, Any]:
-    """The Qwen3 draft-layer fields DSparkConfig stores flat."""
+def qwen3_geometry(layer: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen3 draft-layer fields DSparkConfig stores flat, from any layout that spells them the Qwen3 way."""
     return {
-        "hidden_size": layer["hidden_size"],
-        "intermediate_size": layer["intermediate_size"],
-        "num_hidden_layers": layer["num_hidden_layers"],
-        "num_attention_heads": layer["num_attention_heads"],
-        "num_key_value_heads": layer.get("num_key_value_heads") or layer["num_attention_heads"],
-        "head_dim": layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-        "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
-        "max_position_embeddings": layer.get("max_position_embeddings", 32768),
+        "hidden_size": int(layer["hidden_size"]),
+        "intermediate_size": int(layer["intermediate_size"]),
+        "num_hidden_layers": int(layer["num_hidden_layers"]),
+        "num_attention_heads": int(layer["num_attention_heads"]),
+        "num_key_value_heads": int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
+        "head_dim": int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
+        "rms_norm_eps": float(layer.get("rms_norm_eps", 1e-6)),
+        "max_position_embeddings": int(layer.get("max_position_embeddings", 32768)),
         "rope_parameters": rope_parameters_of(layer),
         "hidden_act": layer.get("hidden_act", "silu"),
         "attention_bias": bool(layer.get("attention_bias", False)),
