@@ -1,0 +1,145 @@
+"""`dspark-hf train`: the command line of `dspark_hf.training.trainer.train`.
+
+Run it directly (one process) or under `accelerate launch` (DDP, FSDP, DeepSpeed, mixed precision) with no change:
+  accelerate launch --config_file examples/accelerate/ddp.yaml -m dspark_hf.cli train --train-cache ... --target ...
+`--lora` adapts an existing drafter (`--init-from`) with PEFT; `--merge` also writes a plain merged drafter;
+`--merge-adapter BASE ADAPTER` merges a finished adapter into a plain checkpoint without training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+from .trainer import TrainingArguments
+
+
+def _config_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _overrides(items: list[str]) -> dict:
+    overrides = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"--drafter-config {item!r} is not KEY=VALUE; write e.g. --drafter-config num_hidden_layers=2")
+        key, value = item.split("=", 1)
+        overrides[key.strip()] = _config_value(value)
+    return overrides
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = TrainingArguments(output_dir="", train_cache="")
+    data = parser.add_argument_group("data")
+    data.add_argument("--train-cache", help="hidden-state cache to train on (`dspark-hf cache`)")
+    data.add_argument("--eval-cache", help="held-out cache for periodic validation")
+    data.add_argument("--output-dir", help="where checkpoints, logs and the final drafter go")
+
+    init = parser.add_argument_group("initialisation")
+    init.add_argument("--target", help="target model directory (embeddings and LM head are copied from it)")
+    init.add_argument("--draft-vocab", help="d2t/t2d file from `dspark-hf vocab` (default: full vocabulary)")
+    init.add_argument("--init-from", help="warm start from a DSpark or z-lab DFlash checkpoint directory (heads added if absent)")
+    init.add_argument("--mask-token-id", type=int, help="mask token of the block (default: the target's pad token)")
+    init.add_argument("--num-draft-layers", type=int, help="draft transformer layers (default 1)")
+    init.add_argument("--block-size", type=int, help="slots per block, anchor included (default 8)")
+    init.add_argument("--sample-from-anchor", action="store_true", default=None, help="DSpark-paper slot convention (B drafts)")
+    init.add_argument("--markov-rank", type=int, help="rank of the Markov head (0 disables it; default 256)")
+    init.add_argument("--markov-head-type", choices=["vanilla", "gated", "rnn"])
+    init.add_argument("--no-confidence-head", action="store_true", help="train without the confidence head")
+    init.add_argument("--drafter-config", nargs="*", metavar="KEY=VALUE", default=[],
+                      help="any other DSparkConfig field, e.g. intermediate_size=1536 (values parsed as JSON)")
+
+    lora = parser.add_argument_group("LoRA")
+    lora.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters on the draft layers only")
+    lora.add_argument("--lora-rank", type=int, default=defaults.lora_rank)
+    lora.add_argument("--lora-alpha", type=float, default=defaults.lora_alpha)
+    lora.add_argument("--lora-dropout", type=float, default=defaults.lora_dropout)
+    lora.add_argument("--lora-fc", action="store_true", help="also adapt `fc` (the context fusion)")
+    lora.add_argument("--merge", action="store_true", help="after LoRA training also write the merged drafter to OUTPUT/drafter")
+    lora.add_argument("--merge-adapter", nargs=2, metavar=("BASE", "ADAPTER"),
+                      help="no training: merge ADAPTER into the drafter BASE and write it to --output-dir")
+
+    opt = parser.add_argument_group("optimisation")
+    opt.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    opt.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    opt.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    opt.add_argument("--max-steps", type=int, help="optimizer steps (default: --num-epochs over the cache)")
+    opt.add_argument("--num-epochs", type=int, default=defaults.num_epochs)
+    opt.add_argument("--batch-size", type=int, default=defaults.batch_size, help="samples per process per micro-step")
+    opt.add_argument("--gradient-accumulation-steps", type=int, default=defaults.gradient_accumulation_steps)
+    opt.add_argument("--max-grad-norm", type=float, default=defaults.max_grad_norm)
+    opt.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], help="default: the accelerate config's")
+    opt.add_argument("--max-anchors", type=int, default=defaults.max_anchors, help="blocks per sample per step")
+    opt.add_argument("--eval-max-anchors", type=int, default=defaults.eval_max_anchors)
+    opt.add_argument("--alpha-ce", type=float, default=defaults.alpha_ce)
+    opt.add_argument("--alpha-tv", type=float, default=defaults.alpha_tv)
+    opt.add_argument("--alpha-conf", type=float, default=defaults.alpha_conf)
+    opt.add_argument("--gamma", type=float, default=defaults.gamma, help="position decay of the loss weights")
+    opt.add_argument("--seed", type=int, default=defaults.seed)
+
+    book = parser.add_argument_group("logging and checkpoints")
+    book.add_argument("--logging-steps", type=int, default=defaults.logging_steps)
+    book.add_argument("--eval-steps", type=int, default=defaults.eval_steps, help="0 = validate at the end only")
+    book.add_argument("--save-steps", type=int, default=defaults.save_steps, help="0 = checkpoint at the end only")
+    book.add_argument("--resume", nargs="?", const=True, default=False,
+                      help="continue from the latest checkpoint in --output-dir (or the given checkpoint directory)")
+    book.add_argument("--max-steps-per-run", type=int, help="checkpoint and stop after this many steps (time-boxed jobs)")
+    book.add_argument("--report-to", default=defaults.report_to, help="accelerate tracker (tensorboard, wandb, ...) or 'none'")
+    book.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+
+
+def arguments_from_namespace(args: argparse.Namespace) -> TrainingArguments:
+    """The parsed command line as `TrainingArguments` (one clear error for each missing required path)."""
+    for name in ("train_cache", "output_dir"):
+        if not getattr(args, name):
+            raise ValueError(f"--{name.replace('_', '-')} is required for `dspark-hf train`.")
+    overrides = _overrides(args.drafter_config)
+    for flag, key in (("mask_token_id", "mask_token_id"), ("num_draft_layers", "num_hidden_layers"),
+                      ("block_size", "block_size"), ("sample_from_anchor", "sample_from_anchor"),
+                      ("markov_rank", "markov_rank"), ("markov_head_type", "markov_head_type")):
+        if getattr(args, flag) is not None:
+            overrides[key] = getattr(args, flag)
+    if args.no_confidence_head:
+        overrides["enable_confidence_head"] = False
+    names = {f.name for f in fields(TrainingArguments)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values.update(
+        drafter_config=overrides,
+        merge_lora=args.merge,
+        progress=not args.no_progress,
+        report_to=None if str(args.report_to).lower() in ("none", "") else args.report_to,
+    )
+    return TrainingArguments(**values)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.merge_adapter:
+        from .lora import merge_adapter_checkpoint
+
+        if not args.output_dir:
+            raise ValueError("--merge-adapter needs --output-dir for the merged drafter.")
+        merge_adapter_checkpoint(*args.merge_adapter, args.output_dir)
+        print(f"merged drafter written to {args.output_dir}")
+        return 0
+    from .trainer import train
+
+    result = train(arguments_from_namespace(args))
+    summary = {k: v for k, v in result.items() if k != "eval_history"}
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry for `python -m dspark_hf.training.cli` (the same as `dspark-hf train`)."""
+    parser = argparse.ArgumentParser(prog="dspark-hf train")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""DSpark training losses (DESIGN §6): CE + TV + confidence BCE per draft slot, weighted by position.
+
+For draft n (1..N) of the block anchored at p:
+  q_n  = softmax(U_n + Markov bias(prev = x_{p+n-1}))   the drafter, teacher-forced, over the draft vocab V_d
+  p_n  = softmax(lm_head(h_final[p+n-1]))                 the target at p+n-1 (which predicts position p+n),
+                                                          restricted to V_d and renormalized (lm_head holds V_d rows)
+  CE_n = -log q_n(x_{p+n})                                against the data token (slots whose token is outside V_d
+                                                          have no CE, only TV)
+  TV_n = ½‖q_n - p_n‖₁ = 1 - Σ_v min(q_n, p_n)            in [0, 1]; 1 - TV_n is the probability that speculative
+                                                          sampling accepts draft n. DeepSpec's "L1" loss is
+                                                          ‖q - p‖₁ = 2·TV, so its weights read half as large here.
+  BCE_n = BCE(c_n, c*_n), c*_n = 1 - TV_n (detached)      the confidence head learns the acceptance it will predict
+Each term is a weighted mean over labelled slots with w_n = exp(-(n-1)/γ) (γ = 4): early drafts matter most because
+a late draft only counts if every earlier one survived. Total = α_ce·CE + α_tv·TV + α_conf·BCE (0.1 / 0.9 / 1.0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..metrics import accepted_length, survival
+
+
+@dataclass
+class LossConfig:
+    alpha_ce: float = 0.1
+    alpha_tv: float = 0.9
+    alpha_conf: float = 1.0
+    gamma: float = 4.0  # position decay of w_n = exp(-(n-1)/γ)
+
+
+@dataclass
+class DSparkLoss:
+    """The scalar loss, its terms, and detached per-slot tensors for metrics."""
+
+    loss: torch.Tensor  # scalar, differentiable
+    ce: torch.Tensor  # scalar terms (weighted means), detached
+    tv: torch.Tensor
+    bce: torch.Tensor
+    slot_tv: torch.Tensor  # (b, J, N) detached TV_n
+    slot_ce: torch.Tensor  # (b, J, N) detached CE_n (0 where no CE)
+    confidence: torch.Tensor | None  # (b, J, N) detached c_n
+    slot_mask: torch.Tensor  # (b, J, N) bool
+    ce_mask: torch.Tensor  # (b, J, N) bool
+
+
+def position_weights(num_drafts: int, gamma: float = 4.0, device=None) -> torch.Tensor:
+    """w_n = exp(-(n-1)/γ), n = 1..N -> (N,)."""
+    if gamma <= 0:
+        raise ValueError(f"gamma={gamma} must be > 0 (the position decay of the loss weights; DESIGN default 4).")
+    return torch.exp(-torch.arange(num_drafts, dtype=torch.float32, device=device) / gamma)
+
+
+@torch.no_grad()
+def target_probabilities(
+    final_hidden_state: torch.Tensor,  # (b, T, d) cached post-norm target states
+    label_positions: torch.LongTensor,  # (b, J, N) position p+n each draft predicts
+    lm_head_weight: torch.Tensor,  # (V_d, d) frozen target LM-head rows of the draft vocabulary
+) -> torch.Tensor:
+    """p_n: the target's distribution for position p+n, read at p+n-1, restricted to V_d and renormalized -> (b, J, N, V_d)."""
+    b, T, d = final_hidden_state.shape
+    source = (label_positions - 1).clamp(0, T - 1).reshape(b, -1)  # (b, J·N)
+    rows = final_hidden_state.gather(1, source[..., None].expand(-1, -1, d))  # (b, J·N, d)
+    logits = F.linear(rows.float(), lm_head_weight.float())  # (b, J·N, V_d)
+    return torch.softmax(logits, dim=-1).reshape(*label_positions.shape, -1)
+
+
+def draft_labels(
+    input_ids: torch.LongTensor,  # (b, T) target ids
+    label_positions: torch.LongTensor,  # (b, J, N)
+    t2d: torch.BoolTensor,  # (V_t,) draft-vocab membership
+) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """The data token of each slot as a draft id, and whether it is in the draft vocab at all -> (b, J, N) each."""
+    b, T = input_ids.shape
+    tokens = input_ids.gather(1, label_positions.clamp(max=T - 1).reshape(b, -1)).reshape(label_positions.shape)
+    target_to_draft = torch.cumsum(t2d.long(), 0) - 1  # (V_t,) draft id of a member (ids ascend in both vocabs)
+    return target_to_draft[tokens].clamp(min=0), t2d[tokens]
+
+
+def total_variation(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """TV = ½‖q - p‖₁ = 1 - Σ min(q, p) over the last dim."""
+    return 1.0 - torch.minimum(q, p).sum(dim=-1)
+
+
+def _weighted_mean(values: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    w = weights * mask.to(weights.dtype)  # (b, J, N)
+    return (values * w).sum() / w.sum().clamp(min=1e-8)
+
+
+def dspark_loss(
+    logits: torch.Tensor,  # (b, J, N, V_d) Markov-corrected draft logits
+    confidence_logits: torch.Tensor | None,  # (b, J, N)
+    target_probs: torch.Tensor,  # (b, J, N, V_d)
+    labels: torch.LongTensor,  # (b, J, N) draft ids
+    label_in_vocab: torch.BoolTensor,  # (b, J, N)
+    slot_mask: torch.BoolTensor,  # (b, J, N)
+    config: LossConfig = LossConfig(),
+) -> DSparkLoss:
+    """CE + TV + confidence BCE, position-weighted means over labelled slots (see the module docstring)."""
+    N = logits.shape[-2]
+    weights = position_weights(N, config.gamma, logits.device)  # (N,)
+    log_q = torch.log_softmax(logits.float(), dim=-1)  # (b, J, N, V_d)
+    tv = total_variation(log_q.exp(), target_probs.float())  # (b, J, N)
+    ce = -log_q.gather(-1, labels[..., None]).squeeze(-1)  # (b, J, N)
+    ce_mask = slot_mask & label_in_vocab
+    ce_term = _weighted_mean(ce, ce_mask, weights)
+    tv_term = _weighted_mean(tv, slot_mask, weights)
+    loss = config.alpha_ce * ce_term + config.alpha_tv * tv_term
+    confidence = None
+    bce_term = torch.zeros((), device=logits.device)
+    if confidence_logits is not None:
+        soft_label = (1.0 - tv).detach().clamp(0.0, 1.0)  # c* = 1 - TV, no gradient into the drafter through it
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), soft_label, reduction="none")
+        bce_term = _weighted_mean(bce, slot_mask, weights)
+        loss = loss + config.alpha_conf * bce_term
+        confidence = torch.sigmoid(confidence_logits.detach().float())
+    return DSparkLoss(
+        loss=loss,
+        ce=ce_term.detach(),
+        tv=tv_term.detach(),
+        bce=bce_term.detach(),
+        slot_tv=tv.detach(),
+        slot_ce=(ce * ce_mask).detach(),
+        confidence=confidence,
+        slot_mask=slot_mask,
+        ce_mask=ce_mask,
+    )
+
+
+class BlockStatistics:
+    """Running sums of the logged metrics over many batches, as one flat tensor so processes reduce it in one call.
+
+    Per-slot accept rate (mean 1 - TV_n), τ (mean over blocks of 1 + Σ_k Π_{i≤k}(1 - TV_i); masked slots count as
+    rejected), CE, and confidence calibration (mean |c_n - (1 - TV_n)|, and cumulative bias Π c - Π (1 - TV)).
+    """
+
+    def __init__(self, num_drafts: int, device=None):
+        self.N = num_drafts
+        # [accept_sum(N), slot_count(N), ce_sum, ce_count, tau_sum, block_count, abs_err_sum, cum_bias_sum, reached]
+        self.sums = torch.zeros(2 * num_drafts + 7, dtype=torch.float64, device=device)
+
+    def update(self, result: DSparkLoss, anchor_mask: torch.Tensor):
+        N, s = self.N, self.sums
+        mask = result.slot_mask.double()
+        accept = (1.0 - result.slot_tv).double()
+        s[:N] += (accept * mask).sum(dim=(0, 1))
+        s[N : 2 * N] += mask.sum(dim=(0, 1))
+        s[2 * N] += result.slot_ce.double().sum()
+        s[2 * N + 1] += result.ce_mask.double().sum()
+        blocks = anchor_mask.bool()
+        s[2 * N + 2] += accepted_length(accept, result.slot_mask)[blocks].sum()
+        s[2 * N + 3] += blocks.double().sum()
+        if result.confidence is not None:
+            confidence = result.confidence.double()
+            s[2 * N + 4] += ((confidence - accept).abs() * mask).sum()
+            reached = torch.cumprod(mask, dim=-1)
+            s[2 * N + 5] += ((survival(confidence, result.slot_mask) - survival(accept, result.slot_mask)) * reached).sum()
+            s[2 * N + 6] += reached.sum()
+
+    def compute(self, sums: torch.Tensor | None = None) -> dict[str, float]:
+        """Metrics from (possibly cross-process reduced) sums."""
+        N = self.N
+        s = (self.sums if sums is None else sums).double().cpu()
+        accept = s[:N] / s[N : 2 * N].clamp(min=1)
+        metrics = {f"accept/slot_{n + 1}": float(accept[n]) for n in range(N)}
+        metrics["accept/mean"] = float(s[:N].sum() / s[N : 2 * N].sum().clamp(min=1))
+        metrics["ce"] = float(s[2 * N] / s[2 * N + 1].clamp(min=1))
+        metrics["tau"] = float(s[2 * N + 2] / s[2 * N + 3].clamp(min=1))
+        if s[2 * N + 6] > 0:
+            metrics["calibration/abs_error"] = float(s[2 * N + 4] / s[N : 2 * N].sum().clamp(min=1))
+            metrics["calibration/cumulative_bias"] = float(s[2 * N + 5] / s[2 * N + 6])
+        return metrics
+
+
+__all__ = [
+    "BlockStatistics",
+    "DSparkLoss",
+    "LossConfig",
+    "draft_labels",
+    "dspark_loss",
+    "position_weights",
+    "target_probabilities",
+    "total_variation",
+]

@@ -1,0 +1,240 @@
+"""Offline training on a tiny target: it learns, it resumes bit-identically, DDP matches one process, NaN stops cleanly.
+
+The tiny target is a random 4-layer Llama with SmolLM2's tokenizer (so the real chat template and loss mask apply);
+its LM head is scaled up so its next-token distributions are peaked and there is something to learn.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModel, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from dspark_hf.assets import smollm2_path
+from dspark_hf.cache import HiddenStateCache, build_cache
+from dspark_hf.data import chatterbot_conversations
+from dspark_hf.training.trainer import (
+    TrainingArguments,
+    TrainingDivergedError,
+    checkpoint_step,
+    latest_checkpoint,
+    train,
+)
+from dspark_hf.vocab import build_draft_vocab, count_assistant_tokens, save_draft_vocab
+
+REPO = Path(__file__).resolve().parents[1]
+AUX = [1, 2, 3]
+DRAFTER = dict(mask_token_id=0, block_size=4, markov_rank=64, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, intermediate_size=128)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_world() -> dict[str, str]:
+    """Target directory, train/eval/test caches and a draft vocabulary, built once per test session."""
+    root = Path(tempfile.mkdtemp(prefix="dspark-train-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=len(tokenizer), max_position_embeddings=1024,
+                         tie_word_embeddings=False)
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(12.0)  # peaked next-token distributions (logit std ≈ 2)
+    target.save_pretrained(root / "target")
+    conversations = chatterbot_conversations()
+    splits = {"train": conversations[:120], "eval": conversations[120:150], "test": conversations[150:174]}
+    for name, convs in splits.items():
+        build_cache(target, tokenizer, convs, root / name, AUX, dtype="float32", progress=False, log=lambda *a: None)
+    counts = count_assistant_tokens(HiddenStateCache(root / "train"))
+    save_draft_vocab(root / "vocab.safetensors", *build_draft_vocab(counts, 512))
+    return {"root": str(root), "target": str(root / "target"), "train": str(root / "train"),
+            "eval": str(root / "eval"), "test": str(root / "test"), "vocab": str(root / "vocab.safetensors")}
+
+
+def tiny_args(output_dir, **overrides) -> TrainingArguments:
+    world = tiny_world()
+    settings = dict(
+        output_dir=str(output_dir), train_cache=world["train"], eval_cache=world["eval"], target=world["target"],
+        draft_vocab=world["vocab"], drafter_config=dict(DRAFTER), learning_rate=1e-2, warmup_steps=5, max_steps=40,
+        batch_size=4, max_anchors=16, logging_steps=10, report_to=None, progress=False,
+    )
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+@functools.lru_cache(maxsize=None)
+def trained_run() -> dict:
+    """A drafter trained for 60 steps, validated at steps 0, 30, 60 (shared by the calibration and LoRA tests)."""
+    return train(tiny_args(Path(tiny_world()["root"]) / "trained", max_steps=60, eval_steps=30, report_to="tensorboard"))
+
+
+def _weights(directory) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(directory) / "model.safetensors"))
+
+
+def test_loss_decreases_and_tau_rises_on_validation():
+    run = trained_run()
+    (first_step, before), (last_step, after) = run["eval_history"][0], run["eval_history"][-1]
+    assert (first_step, last_step) == (0, 60)
+    print(f"validation tau {before['tau']:.4f} -> {after['tau']:.4f}, loss {before['loss']:.4f} -> {after['loss']:.4f}, "
+          f"accept {[round(before[f'accept/slot_{n}'], 3) for n in (1, 2, 3)]} -> "
+          f"{[round(after[f'accept/slot_{n}'], 3) for n in (1, 2, 3)]}")
+    assert after["tau"] > before["tau"] + 0.2
+    assert after["loss"] < before["loss"] - 0.3
+    assert after["accept/slot_1"] > 1.5 * before["accept/slot_1"]
+    output = Path(run["output_dir"])
+    # the final directory is a normal HF drafter with remote code, and TensorBoard logs were written
+    drafter = AutoModel.from_pretrained(output / "drafter", trust_remote_code=True)
+    assert type(drafter).__name__ == "DSparkForDrafting" and drafter.config.block_size == 4
+    assert list((output / "logs").rglob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bit_identical(tmp_path):
+    """kill -9 a real `dspark-hf train` process mid-run, resume from its last checkpoint (mid-epoch), and land on the
+    same weights and optimizer state at step 18 (past the epoch boundary at 15) as a run that was never interrupted;
+    both stop there with `--max-steps-per-run` inside the same 400-step schedule."""
+    world = tiny_world()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    common = [
+        sys.executable, "-m", "dspark_hf.cli", "train", "--train-cache", world["train"], "--target", world["target"],
+        "--draft-vocab", world["vocab"], "--max-steps", "400", "--save-steps", "3", "--batch-size", "8",
+        "--max-anchors", "8", "--learning-rate", "1e-2", "--report-to", "none", "--no-progress",
+        "--drafter-config", *[f"{k}={v}" for k, v in {**DRAFTER, "markov_rank": 8}.items()],
+    ]
+    stop_at = 18  # 120 samples / batch 8 = 15 steps per epoch
+    straight = subprocess.run(common + ["--output-dir", str(tmp_path / "straight"), "--max-steps-per-run", str(stop_at)],
+                              env=env, capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    killed_dir = tmp_path / "killed"
+    process = subprocess.Popen(common + ["--output-dir", str(killed_dir)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while latest_checkpoint(killed_dir) is None and process.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    resumed_from = checkpoint_step(latest_checkpoint(killed_dir))
+    assert 3 <= resumed_from < stop_at
+    resumed = subprocess.run(common + ["--output-dir", str(killed_dir), "--resume",
+                                       "--max-steps-per-run", str(stop_at - resumed_from)],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    print(f"killed after checkpoint-{resumed_from}; resumed to step {stop_at}")
+    straight_ckpt = tmp_path / "straight" / "checkpoints" / f"checkpoint-{stop_at}"
+    resumed_ckpt = killed_dir / "checkpoints" / f"checkpoint-{stop_at}"
+    a, b = load_file(str(straight_ckpt / "model.safetensors")), load_file(str(resumed_ckpt / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    opt_a = torch.load(straight_ckpt / "optimizer.bin", weights_only=False)["state"]
+    opt_b = torch.load(resumed_ckpt / "optimizer.bin", weights_only=False)["state"]
+    for key in opt_a:
+        assert torch.equal(opt_a[key]["exp_avg"], opt_b[key]["exp_avg"])
+        assert torch.equal(opt_a[key]["exp_avg_sq"], opt_b[key]["exp_avg_sq"])
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    # an absurd learning rate overflows the weights after the first update: step 2's loss is NaN
+    args = tiny_args(tmp_path / "nan", max_steps=10, save_steps=1, learning_rate=1e30, warmup_steps=0, eval_cache=None)
+    with pytest.raises(TrainingDivergedError, match=r"non-finite .* at step 2; training stopped and the last good checkpoint is .*checkpoint-1"):
+        train(args)
+    checkpoint = latest_checkpoint(tmp_path / "nan")
+    assert checkpoint.name == "checkpoint-1"
+    drafter = AutoModel.from_pretrained(checkpoint / "drafter", trust_remote_code=True)
+    assert all(torch.isfinite(p).all() for p in drafter.parameters())
+
+
+DDP_TOLERANCE = 1e-4  # max |Δweight| after 15 steps: gloo all-reduce vs sequential accumulation, fp32 sum order
+
+
+@pytest.mark.slow
+def test_two_process_cpu_ddp_matches_single_process(tmp_path):
+    """Same global batch: 2 processes × batch 2 vs 1 process × batch 2 × 2 accumulation steps."""
+    world = tiny_world()
+    common = [
+        "--train-cache", world["train"], "--eval-cache", world["eval"], "--target", world["target"],
+        "--draft-vocab", world["vocab"], "--max-steps", "15", "--batch-size", "2", "--max-anchors", "16",
+        "--learning-rate", "1e-2", "--warmup-steps", "2", "--report-to", "none", "--no-progress",
+        "--drafter-config", *[f"{k}={v}" for k, v in DRAFTER.items()],
+    ]
+    # torchrun-style DDP on CPU: `--multi_gpu` spawns the processes, ACCELERATE_USE_CPU makes them use gloo on CPU
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no"]
+    runs = {
+        "single": launch + ["--num_processes", "1", "--cpu"],
+        "ddp": launch + ["--multi_gpu", "--num_processes", "2", "--main_process_port", "29517"],
+    }
+    for name, command in runs.items():
+        accumulation = ["--gradient-accumulation-steps", "2"] if name == "single" else []
+        done = subprocess.run(command + ["-m", "dspark_hf.cli", "train", "--output-dir", str(tmp_path / name)]
+                              + common + accumulation, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    a, b = _weights(tmp_path / "single" / "drafter"), _weights(tmp_path / "ddp" / "drafter")
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    print(f"DDP vs single process: max |Δweight| = {worst:.3e}")
+    assert worst < DDP_TOLERANCE
+
+
+def test_warm_start_from_zlab_dflash_checkpoint_adds_heads(tmp_path):
+    """A z-lab DFlash directory (Qwen3 fields top-level, `dflash_config`, no embed/head, no heads) warm-starts a DSpark."""
+    import json
+
+    from dspark_hf.training.trainer import build_drafter
+
+    world = tiny_world()
+    plain = build_drafter(tiny_args(tmp_path, drafter_config={**DRAFTER, "markov_rank": 0, "enable_confidence_head": False},
+                                    draft_vocab=None), AUX)
+    source = tmp_path / "dflash"
+    source.mkdir()
+    from safetensors.torch import save_file
+
+    layers = {k: v.contiguous() for k, v in plain.state_dict().items() if k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))}
+    save_file(layers, str(source / "model.safetensors"))
+    c = plain.config
+    (source / "config.json").write_text(json.dumps({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size, "block_size": 4,
+        "rope_theta": c.rope_theta, "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0, 1, 2]},
+    }))
+    drafter = build_drafter(tiny_args(tmp_path, init_from=str(source), drafter_config={"markov_rank": 8}), AUX)
+    assert drafter.config.aux_hidden_state_layer_ids == AUX and drafter.config.draft_vocab_size == 512
+    assert drafter.markov_head is not None and drafter.markov_head.markov_rank == 8 and drafter.confidence_head is not None
+    state = drafter.state_dict()
+    for name, value in layers.items():
+        assert torch.equal(state[name], value), name
+    target = LlamaForCausalLM.from_pretrained(world["target"])
+    assert torch.equal(drafter.lm_head.weight, target.lm_head.weight[drafter.draft_to_target_ids])
+
+
+def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
+    from dspark_hf.cli import main
+
+    assert main(["train", "--output-dir", str(tmp_path)]) == 1
+    assert "--train-cache is required" in capsys.readouterr().err
+    world = tiny_world()
+    code = main(["train", "--output-dir", str(tmp_path), "--train-cache", world["train"], "--target", world["target"],
+                 "--no-progress", "--report-to", "none", "--drafter-config", "num_attention_heads=4",
+                 "num_key_value_heads=2", "head_dim=16"])  # no mask token: the tiny target has no pad token
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dspark-hf train: error")]
+    assert code == 1 and len(errors) == 1 and "--mask-token-id" in errors[0]
