@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml setup.py
 setup: $(STAMP)
 
 test: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2
 
 demo: setup
 	HF_HUB_OFFLINE=1 $(PY) examples/demo.py

@@ -55,9 +55,10 @@ def smollm2_path() -> Path:
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".smollm2-"))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    if target.exists():  # a concurrent builder won the race, or a stale partial copy
-        shutil.rmtree(target)
-    os.replace(staging, target)  # publish atomically: a half-written copy never looks complete
+    try:
+        os.rename(staging, target)  # publish atomically: a half-written copy never looks complete
+    except OSError:  # a concurrent builder (e.g. another test worker) published first; keep theirs
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -30,7 +30,8 @@ TINY_ARCHITECTURES = {
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (`make test` runs two workers) each worker gets one core; tiny models gain nothing from more.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
 def make_tiny_target(architecture: str = "llama", vocab_size: int = TINY_VOCAB, seed: int = 0, layers: int = 4):
