@@ -359,3 +359,13 @@ def test_real_smollm2_target_greedy_is_identical(smollm2):
     oracle = make_oracle(make_drafter(target, **geometry), target)
     assert torch.equal(target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=oracle), expected)
     assert oracle.last_generation_stats.mean_accepted_length > 3
+
+
+def test_target_whose_cache_cannot_be_cropped_fails_clearly():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    recurrent = MambaForCausalLM(MambaConfig(hidden_size=64, num_hidden_layers=4, vocab_size=96, state_size=8)).eval()
+    drafter = make_drafter(make_tiny_target("llama"))
+    with pytest.raises(ValueError, match="not supported with stateful models") as error:
+        recurrent.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=5, assistant_model=drafter, pad_token_id=0)
+    assert "\n" not in str(error.value)
