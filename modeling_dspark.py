@@ -727,7 +727,8 @@ class DSparkForDrafting(DSparkPreTrainedModel):
                 token = draft_to_target[logits_n.argmax(dim=-1)]
             tokens.append(token)
             draft_logits.append(logits_n)
-            sequence = torch.cat([sequence, token.reshape(1, 1)], dim=-1)
+            if logits_processor:  # processors such as repetition penalty read the drafts so far
+                sequence = torch.cat([sequence, token.reshape(1, 1)], dim=-1)
             prev = token
 
         def stack(values, dim=1):
