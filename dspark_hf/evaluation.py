@@ -1,0 +1,441 @@
+"""`dspark-hf eval`: how good a drafter is, offline and online (DESIGN §7).
+
+Three views of the same drafter:
+
+- **offline** (teacher-forced on a hidden-state cache): for every valid anchor the drafter's Markov-corrected q_k is
+  compared with the target's p_k (both restricted to the draft vocabulary, teacher-forced with the data tokens as
+  previous tokens); 1 - TV_k is the acceptance of draft k given the drafts before it. τ = mean over blocks of
+  1 + Σ_k Π_{i≤k} (1 - TV_i), "out of B" — the Kimi-K2.6 DSpark card's definitions (DESIGN §3), so the numbers
+  are comparable with it. Computed with `dspark_hf.metrics`, the functions training reports with.
+- **online** (real `target.generate(..., assistant_model=drafter)` on held-out chat prompts, the test split):
+  mean accepted length per verify round including the bonus token, cumulative and conditional per-position
+  acceptance, the accepted-length histogram, and tokens/s next to plain `generate` on the same prompts in the same
+  process; greedy and T = 1.
+- **calibration** of the confidence head on held-out rollouts (`dspark_hf.calibration`): per-position ECE, AUC and
+  Brier of the predicted prefix survival, before (T = 1) and after the checkpoint's STS temperatures, with a
+  reliability-diagram PNG.
+
+`--json` prints one JSON document for machines; otherwise tables for people. PNGs go to `--plots`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .metrics import brier_score, per_position_acceptance, survival, tau
+
+DEFAULT_PROMPT_SOURCES = ("chitchat",)
+
+
+# ------------------------------------------------------------------------------------------------ environment
+def machine_description() -> str:
+    """CPU model, cores and torch threads (and the GPU if one is used): printed with every table."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} thread(s)"
+    if torch.cuda.is_available():
+        text += f", GPU {torch.cuda.get_device_name(0)}"
+    return text
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------------- prompts
+def held_out_prompts(sources=DEFAULT_PROMPT_SOURCES, split: str = "test", limit: int = 8) -> list[list[dict]]:
+    """First user turn of the first `limit` conversations of `split` (hash split by conversation id, never trained
+    on), interleaving the given sources. Each prompt is a one-message chat."""
+    from .data import load_conversations, split_conversations
+
+    per_source = []
+    for source in sources:
+        conversations = load_conversations(source)
+        chosen = conversations if split == "all" else split_conversations(conversations)[split]
+        prompts = []
+        for conv in chosen:
+            user = next((m for m in conv["messages"] if m["role"] == "user" and m["content"].strip()), None)
+            if user is not None:
+                prompts.append([{"role": "user", "content": user["content"].strip()}])
+        per_source.append(prompts)
+    out: list[list[dict]] = []
+    for i in range(max((len(p) for p in per_source), default=0)):
+        for prompts in per_source:
+            if i < len(prompts) and len(out) < limit:
+                out.append(prompts[i])
+    if not out:
+        raise ValueError(f"no prompts with a user turn in the {split!r} split of {', '.join(map(str, sources))}; pass another --prompts source.")
+    return out
+
+
+def encode_prompt(tokenizer, messages: list[dict], device="cpu") -> dict[str, torch.Tensor]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return {"input_ids": ids["input_ids"].to(device), "attention_mask": ids["attention_mask"].to(device)}
+
+
+# ---------------------------------------------------------------------------------------------------- offline
+@torch.no_grad()
+def offline_acceptance(model, cache, max_anchors: int = 10_000, batch_size: int = 4, max_samples: int | None = None,
+                       seed: int = 0) -> dict[str, torch.Tensor]:
+    """Teacher-forced 1 - TV_k of every (sampled) anchor block of `cache`: accept (M, N), mask (M, N), and the raw
+    confidence logits (M, N) when the drafter has a confidence head."""
+    from .training.anchors import sample_batch_anchors, slot_mask
+    from .training.losses import target_probabilities, total_variation
+    from .training.trainer import IndexedCache, collate_samples
+
+    model.eval()
+    N = model.num_draft_tokens
+    dataset = IndexedCache(cache)
+    count = len(dataset) if max_samples is None else min(max_samples, len(dataset))
+    device = model.fc.weight.device
+    accepts, masks, confidences = [], [], []
+    for start in range(0, count, batch_size):
+        batch = collate_samples([dataset[i] for i in range(start, min(start + batch_size, count))])
+        batch = {k: v.to(device) for k, v in batch.items()}
+        anchors, anchor_mask = sample_batch_anchors(batch["loss_mask"], batch["lengths"], batch["index"], N,
+                                                    max_anchors, seed, epoch=-1)
+        out = model(aux_hidden_states=batch["aux_hidden_states"], input_ids=batch["input_ids"],
+                    anchor_positions=anchors, attention_mask=batch["attention_mask"])
+        p = target_probabilities(batch["final_hidden_state"], out.label_positions, model.lm_head.weight)
+        tv = total_variation(torch.softmax(out.logits.float(), -1), p)  # (b, J, N)
+        keep = anchor_mask.bool()
+        accepts.append((1.0 - tv).clamp(0, 1)[keep].cpu())
+        masks.append(slot_mask(batch["loss_mask"], anchors, anchor_mask, N)[keep].cpu())
+        if out.confidence_logits is not None:
+            confidences.append(out.confidence_logits.float()[keep].cpu())
+    if not accepts or sum(a.shape[0] for a in accepts) == 0:
+        raise ValueError("the cache has no valid anchors (assistant tokens with a full block after them); use a larger cache.")
+    result = {"accept": torch.cat(accepts), "mask": torch.cat(masks)}
+    if confidences:
+        result["confidence_logits"] = torch.cat(confidences)
+    return result
+
+
+def offline_metrics(accept: torch.Tensor, mask: torch.Tensor, block_size: int) -> dict[str, Any]:
+    """τ (out of B), τ/B, per-position conditional acceptance (mean 1 - TV_k) and mean cumulative survival."""
+    t = tau(accept, mask)
+    reached = torch.cumprod(mask.float(), dim=-1)
+    cumulative = (survival(accept, mask).sum(0) / reached.sum(0).clamp(min=1)).tolist()
+    return {
+        "blocks": int(accept.shape[0]),
+        "tau": t,
+        "tau_over_B": t / block_size,
+        "block_size": block_size,
+        "acceptance": per_position_acceptance(accept, mask).tolist(),
+        "acceptance_cumulative": cumulative,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- calibration
+def calibration_metrics(confidence_logits: torch.Tensor, accept: torch.Tensor, mask: torch.Tensor,
+                        temperatures: list[float], draws: int = 8, seed: int = 0) -> dict[str, Any]:
+    """ECE/AUC/Brier of predicted survival vs sampled survival events, before (T = 1) and after STS."""
+    from .calibration import Rollouts, calibration_report, survival_predictions
+
+    N = accept.shape[1]
+    generator = torch.Generator().manual_seed(seed)
+    accepted = torch.rand(accept.shape[0], draws, N, generator=generator) < accept[:, None, :]
+    survived = torch.cumprod((accepted & mask[:, None, :]).long(), dim=-1).bool()
+    rollouts = Rollouts(confidence_logits, accept, mask, survived)
+    out: dict[str, Any] = {"temperatures": list(temperatures)}
+    for name, temps in (("before", [1.0] * N), ("after", list(temperatures))):
+        report = calibration_report(rollouts, temps)
+        predicted_all = survival_predictions(rollouts, temps)
+        reach = rollouts.reachable()
+        brier, bins = [], []
+        for k in range(N):
+            predicted = predicted_all[reach[:, k], k][:, None].expand(-1, draws).reshape(-1)
+            observed = survived[reach[:, k]][:, :, k].reshape(-1).float()
+            brier.append(brier_score(predicted, observed) if predicted.numel() else float("nan"))
+            bins.append(reliability_bins(predicted, observed))
+        report["brier"] = brier
+        report["reliability"] = bins
+        out[name] = report
+    return out
+
+
+def reliability_bins(predicted: torch.Tensor, observed: torch.Tensor, num_bins: int = 10) -> list[list[float]]:
+    """[mean predicted, mean observed, count] per non-empty equal-width bin."""
+    if predicted.numel() == 0:
+        return []
+    index = torch.clamp((predicted * num_bins).long(), max=num_bins - 1)
+    rows = []
+    for b in range(num_bins):
+        sel = index == b
+        if sel.any():
+            rows.append([float(predicted[sel].mean()), float(observed[sel].mean()), int(sel.sum())])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- online
+def merge_generation_stats(stats_list) -> Any:
+    """One DSparkGenerationStats over several generate calls (rounds concatenated, times summed)."""
+    # the stats class of whichever copy of the remote code the drafter came from
+    merged = type(stats_list[0])(num_draft_tokens=stats_list[0].num_draft_tokens)
+    for s in stats_list:
+        merged.drafted += list(s.drafted)
+        merged.accepted += list(s.accepted)
+        merged.draft_time_s += s.draft_time_s
+        merged.verify_time_s += s.verify_time_s
+    return merged
+
+
+def timed_generate(target, inputs, max_new_tokens: int, do_sample: bool, seed: int = 0, **kwargs):
+    """(new token ids, seconds) of one `generate` call; sampling reseeded per call so runs are comparable."""
+    settings = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=target.generation_config.eos_token_id)
+    if do_sample:
+        settings.update(temperature=1.0, top_k=0, top_p=1.0)
+    else:
+        settings.update(temperature=None, top_k=None, top_p=None)
+    settings.update(kwargs)
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    out = target.generate(**inputs, **settings)
+    elapsed = time.perf_counter() - start
+    return out[0, inputs["input_ids"].shape[1]:], elapsed
+
+
+def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_new_tokens: int = 96,
+                   do_sample: bool = False, seed: int = 0, warmup: bool = True) -> dict[str, Any]:
+    """Plain generate vs generate with the drafter on each prompt, alternating, same process."""
+    device = next(target.parameters()).device
+    encoded = [encode_prompt(tokenizer, p, device) for p in prompts]
+    if warmup:
+        timed_generate(target, encoded[0], 8, do_sample, seed)
+        timed_generate(target, encoded[0], 8, do_sample, seed, assistant_model=drafter)
+    plain_tokens = plain_time = spec_tokens = spec_time = 0.0
+    stats, identical = [], []
+    for i, inputs in enumerate(encoded):
+        plain, t_plain = timed_generate(target, inputs, max_new_tokens, do_sample, seed + i)
+        spec, t_spec = timed_generate(target, inputs, max_new_tokens, do_sample, seed + i, assistant_model=drafter)
+        stats.append(drafter.last_generation_stats)
+        plain_tokens, plain_time = plain_tokens + plain.numel(), plain_time + t_plain
+        spec_tokens, spec_time = spec_tokens + spec.numel(), spec_time + t_spec
+        identical.append(bool(plain.shape == spec.shape and torch.equal(plain, spec)))
+    merged = merge_generation_stats(stats)
+    summary = merged.to_dict()
+    summary.update(
+        mode="sampling T=1" if do_sample else "greedy",
+        prompts=len(prompts),
+        plain_tokens_per_s=plain_tokens / max(plain_time, 1e-9),
+        dspark_tokens_per_s=spec_tokens / max(spec_time, 1e-9),
+    )
+    summary["speedup"] = summary["dspark_tokens_per_s"] / max(summary["plain_tokens_per_s"], 1e-9)
+    summary["draft_fraction_of_verify"] = (merged.draft_time_s / max(merged.rounds, 1)) / max(
+        merged.verify_time_s / max(merged.rounds + len(prompts), 1), 1e-9)
+    if not do_sample:
+        summary["identical_to_plain"] = f"{sum(identical)}/{len(identical)}"
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------- plots
+def plot_acceptance(path: str | os.PathLike, curves: dict[str, list[float]], title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, values in curves.items():
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=label)
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def plot_reliability(path: str | os.PathLike, calibration: dict[str, Any], positions=(0, 2, 4, 6)) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(calibration["before"]["reliability"])
+    positions = [k for k in positions if k < n]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4), sharey=True)
+    for ax, name in zip(axes, ("before", "after")):
+        ax.plot([0, 1], [0, 1], color="grey", lw=1, ls="--")
+        for k in positions:
+            bins = calibration[name]["reliability"][k]
+            if bins:
+                xs, ys, _ = zip(*bins)
+                ax.plot(xs, ys, marker="o", label=f"a_{k + 1} (ECE {calibration[name]['ece'][k]:.3f})")
+        ax.set_title(f"{name} STS")
+        ax.set_xlabel("predicted survival")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("observed survival")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------------- tables
+def _fmt(values, digits=3) -> str:
+    return " ".join(f"{v:.{digits}f}" for v in values)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"machine: {report['machine']}", f"target dtype: {report['dtype']}"]
+    off = report.get("offline")
+    if off:
+        lines += [
+            "",
+            f"offline (teacher-forced, draft-vocab restricted; {off['blocks']} blocks)",
+            f"  τ = {off['tau']:.3f} of {off['block_size']}   τ/B = {off['tau_over_B']:.3f}",
+            f"  acceptance 1-TV_k      : {_fmt(off['acceptance'])}",
+            f"  survival Π(1-TV_i)     : {_fmt(off['acceptance_cumulative'])}",
+        ]
+    for on in report.get("online", []):
+        lines += [
+            "",
+            f"online ({on['mode']}, {on['prompts']} held-out prompts, {on['rounds']} rounds)",
+            f"  mean accepted length   : {on['mean_accepted_length']:.3f} tokens/round (bonus included)",
+            f"  acceptance cumulative  : {_fmt(on['acceptance_cumulative'])}",
+            f"  acceptance conditional : {_fmt(on['acceptance_conditional'])}",
+            f"  accepted histogram     : {on['accepted_histogram']}",
+            f"  tokens/s plain → dspark: {on['plain_tokens_per_s']:.1f} → {on['dspark_tokens_per_s']:.1f}  "
+            f"(×{on['speedup']:.2f})",
+            f"  draft time / verify    : {on['draft_fraction_of_verify']:.1%} per round",
+        ]
+        if "identical_to_plain" in on:
+            lines.append(f"  identical to plain     : {on['identical_to_plain']} prompts")
+    cal = report.get("calibration")
+    if cal:
+        lines += ["", "calibration of predicted survival a_k (sampled acceptance events)",
+                  "  k   T_k     ECE before→after   AUC before→after   Brier before→after"]
+        for k, t in enumerate(cal["temperatures"]):
+            b, a = cal["before"], cal["after"]
+            lines.append(f"  {k + 1}  {t:6.3f}   {b['ece'][k]:.4f}→{a['ece'][k]:.4f}     {b['auc'][k]:.3f}→{a['auc'][k]:.3f}"
+                         f"      {b['brier'][k]:.4f}→{a['brier'][k]:.4f}")
+    for name, path in report.get("plots", {}).items():
+        lines.append(f"plot {name}: {path}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- driver
+def load_drafter(path: str, target=None, dtype: torch.dtype = torch.float32):
+    """A drafter from a directory, bound to `target` if its checkpoint omits the frozen embed/head."""
+    from . import DSparkForDrafting
+
+    drafter = DSparkForDrafting.from_pretrained(path, dtype=dtype).eval()
+    if target is not None and drafter.config.bind_target_embeddings:
+        drafter.bind_target(target)
+    return drafter
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    from .data import load_target
+
+    set_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    report: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "machine": machine_description(), "plots": {}}
+    plots = Path(args.plots) if args.plots else None
+    if plots:
+        plots.mkdir(parents=True, exist_ok=True)
+    curves: dict[str, list[float]] = {}
+
+    if args.cache:
+        from .cache import HiddenStateCache
+
+        target32, _ = load_target(args.target, dtype="float32")
+        drafter = load_drafter(args.model, target32, torch.float32)
+        cache = HiddenStateCache(args.cache)
+        cache.validate_against(drafter.config)
+        rollouts = offline_acceptance(drafter, cache, args.max_anchors, max_samples=args.max_samples)
+        report["offline"] = offline_metrics(rollouts["accept"], rollouts["mask"], drafter.config.block_size)
+        curves["offline 1-TV_k"] = report["offline"]["acceptance"]
+        curves["offline survival"] = report["offline"]["acceptance_cumulative"]
+        if "confidence_logits" in rollouts:
+            temperatures = list(drafter.config.confidence_temperatures)
+            report["calibration"] = calibration_metrics(rollouts["confidence_logits"], rollouts["accept"],
+                                                        rollouts["mask"], temperatures)
+            if plots:
+                report["plots"]["reliability"] = plot_reliability(plots / "reliability.png", report["calibration"])
+        del target32
+
+    if args.num_prompts > 0:
+        target, tokenizer = load_target(args.target, dtype=args.dtype)
+        drafter = load_drafter(args.model, target, dtype)
+        if args.confidence_threshold is not None:
+            drafter.generation_config.dspark_confidence_threshold = args.confidence_threshold
+        prompts = held_out_prompts(args.prompts, args.split, args.num_prompts)
+        report["online"] = []
+        for mode in args.modes:
+            on = online_metrics(target, tokenizer, drafter, prompts, args.max_new_tokens, do_sample=(mode == "sample"))
+            report["online"].append(on)
+            curves[f"online {on['mode']} conditional"] = on["acceptance_conditional"]
+            curves[f"online {on['mode']} cumulative"] = on["acceptance_cumulative"]
+    if plots and curves:
+        report["plots"]["acceptance"] = plot_acceptance(plots / "acceptance.png", curves, f"{Path(args.model).name} ({args.dtype})")
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="drafter checkpoint directory")
+    parser.add_argument("--target", default="smollm2", help="target path or Hub id (default: the offline SmolLM2)")
+    parser.add_argument("--cache", help="held-out hidden-state cache for offline τ, acceptance and calibration")
+    parser.add_argument("--max-anchors", type=int, default=10_000, help="offline: blocks per sample (default: all)")
+    parser.add_argument("--max-samples", type=int, default=None, help="offline: only the first N cache samples")
+    parser.add_argument("--prompts", nargs="+", default=list(DEFAULT_PROMPT_SOURCES),
+                        help="online prompt sources: chitchat, chatterbot or JSONL paths (default: chitchat)")
+    parser.add_argument("--split", default="test", choices=["train", "validation", "test", "all"],
+                        help="split the online prompts come from (default: test, never trained on)")
+    parser.add_argument("--num-prompts", type=int, default=8, help="online prompts (0 = offline only)")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=["greedy", "sample"],
+                        help="online decoding modes (sample = T=1)")
+    parser.add_argument("--confidence-threshold", type=float, default=None,
+                        help="online: confidence-scheduled block length (default: the drafter's generation_config)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="online target/drafter dtype")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--plots", help="directory for acceptance.png and reliability.png")
+    parser.add_argument("--json", nargs="?", const="-", default=None,
+                        help="write the report as JSON to this file ('-' or no value: stdout instead of tables)")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = evaluate(args)
+    if args.json and args.json != "-":
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.json == "-":
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+    return 0
+
+
+__all__ = [
+    "calibration_metrics",
+    "evaluate",
+    "held_out_prompts",
+    "machine_description",
+    "offline_acceptance",
+    "offline_metrics",
+    "online_metrics",
+    "timed_generate",
+]

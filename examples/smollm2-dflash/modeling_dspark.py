@@ -1,0 +1,1041 @@
+# Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
+"""DSpark drafter: a DFlash-style parallel block drafter with a Markov logit-bias head and a confidence head.
+
+Remote-code file: copied next to every checkpoint, imports only torch and transformers (siblings as `from .x`).
+
+Reading order (as in `modeling_llama.py`): norm → rotary → MLP → attention with KV injection → draft layer → Markov
+head variants → confidence head → context cache → PreTrainedModel → DSparkForDrafting (training forward and
+`draft_block`) → the candidate generator that plugs the drafter into `target.generate(assistant_model=drafter)` and
+the routing hook installed when this module is imported.
+
+Notation: d hidden size, m aux layers, B block size, N drafts per block (B-1, or B with `sample_from_anchor`),
+V_t target vocab, V_d draft vocab, r Markov rank. Draft n (1..N) always predicts the token at position p+n, where
+p is the anchor's position; its hidden row is slot n (DFlash/Kimi convention) or slot n-1 (`sample_from_anchor`).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.generation import GenerationMixin
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import ModelOutput
+
+from .configuration_dspark import DSparkConfig
+
+
+class DSparkRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class DSparkRotaryEmbedding(nn.Module):
+    """Rotate-half (neox) RoPE with the drafter's own theta/scaling; context keys and block rows use their own positions."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.config = config
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        inv_freq, self.attention_scaling = self.compute_inv_freq(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)  # re-set in _init_weights: not in the checkpoint
+
+    @staticmethod
+    def compute_inv_freq(config: DSparkConfig, device=None) -> tuple[torch.Tensor, float]:
+        if config.rope_parameters.get("rope_type", "default") != "default":
+            return ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](config, device)
+        dim = config.head_dim
+        arange = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float()
+        return 1.0 / (config.rope_theta ** (arange / dim)), 1.0
+
+    def _apply(self, fn, recurse=True):
+        # Casting the model to bf16 must not round the frequencies: keep them fp32, only follow the device.
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float32)  # (b, t, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (b, t, hd)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (b, heads, t, hd) by cos/sin (b, t, hd). Queries and keys differ in length here, so one at a time."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class DSparkMLP(nn.Module):
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(b, kv_heads, t, hd) -> (b, kv_heads * n_rep, t, hd)"""
+    if n_rep == 1:
+        return hidden_states
+    b, kv_heads, t, hd = hidden_states.shape
+    return hidden_states[:, :, None].expand(b, kv_heads, n_rep, t, hd).reshape(b, kv_heads * n_rep, t, hd)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling  # (b, h, q, k)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            attn_weights = attn_weights.masked_fill(~attention_mask, torch.finfo(attn_weights.dtype).min)
+        else:
+            attn_weights = attn_weights + attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()  # (b, q, h, hd)
+    return attn_output, attn_weights
+
+
+class DSparkAttention(nn.Module):
+    """GQA attention with KV injection: keys/values are [W c_context ; W u_block] with shared projections.
+
+    Context rows are fused target states (not passed through `input_layernorm`); block rows are. The per-head
+    `k_norm` applies to both; values are not normalized. Queries come from block rows only; attention is non-causal.
+    """
+
+    def __init__(self, config: DSparkConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = False
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = DSparkRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = DSparkRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def project_kv(
+        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values (b, kv_heads, t, hd) of context or block rows at their own positions."""
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        keys = self.k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)
+        values = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        return apply_rotary_pos_emb(keys, cos, sin), values
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (b, q, d) normalized block rows
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],  # block rows' cos/sin (b, q, hd)
+        context_kv: tuple[torch.Tensor, torch.Tensor],  # (b, kv_heads, t_ctx, hd) each, already rotated
+        attention_mask: torch.Tensor | None = None,  # bool (b, 1, q, t_ctx + q); None = see everything
+        cache=None,  # transformers' DFlashCache (speculation_type="dflash"): holds earlier context, block cropped later
+    ) -> torch.Tensor:
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = self.q_norm(self.q_proj(hidden_states).view(shape)).transpose(1, 2)  # (b, h, q, hd)
+        query = apply_rotary_pos_emb(query, *position_embeddings)
+        block_keys, block_values = self.project_kv(hidden_states, position_embeddings)
+        keys = torch.cat([context_kv[0], block_keys], dim=2)  # (b, kv_heads, t_ctx + q, hd)
+        values = torch.cat([context_kv[1], block_values], dim=2)
+        if cache is not None:
+            keys, values = cache.update(keys, values, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, _ = attention_interface(
+            self,
+            query,
+            keys,
+            values,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            is_causal=False,
+        )
+        return self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
+
+
+class DSparkDecoderLayer(nn.Module):
+    """Qwen3-style layer; the only new thing is that attention also reads the injected context K/V."""
+
+    def __init__(self, config: DSparkConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DSparkAttention(config, layer_idx)
+        self.mlp = DSparkMLP(config)
+        self.input_layernorm = DSparkRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DSparkRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        context_kv: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, context_kv, attention_mask, cache
+        )
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Markov head: the sequential stage. logits_n = U_n + bias_n, where bias_n depends on the previous token only (and,
+# for gated/rnn, on the draft's own hidden row and a recurrent state), never on the token being drafted.
+
+
+class DSparkVanillaMarkovHead(nn.Module):
+    """bias = W2 · W1[prev]."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.markov_rank = config.markov_rank
+        self.markov_w1 = nn.Embedding(config.vocab_size, config.markov_rank)  # indexed by target ids
+        self.markov_w2 = nn.Linear(config.markov_rank, config.draft_vocab_size, bias=False)
+
+    def embed_previous(self, prev_ids: torch.LongTensor) -> torch.Tensor:
+        return self.markov_w1(prev_ids)  # (..., r)
+
+    def initial_state(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def step(
+        self, hidden_states: torch.Tensor, prev_embeds: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(bias (..., V_d), next state) for one draft; vectorizes over any leading shape when stateless."""
+        return self.markov_w2(prev_embeds), state
+
+    def block_bias(self, hidden_states: torch.Tensor, prev_embeds: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced bias for all drafts at once: hidden (..., N, d), prev_embeds (..., N, r) -> (..., N, V_d)."""
+        return self.step(hidden_states, prev_embeds, None)[0]
+
+
+class DSparkGatedMarkovHead(DSparkVanillaMarkovHead):
+    """bias = W2 (σ(gate_proj([ĥ; W1[prev]])) ⊙ W1[prev])."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        self.gate_proj = nn.Linear(config.hidden_size + config.markov_rank, config.markov_rank, bias=True)
+
+    def step(self, hidden_states, prev_embeds, state):
+        gate = torch.sigmoid(self.gate_proj(torch.cat([hidden_states, prev_embeds], dim=-1)))
+        return self.markov_w2(gate * prev_embeds), state
+
+
+class DSparkRNNMarkovHead(DSparkVanillaMarkovHead):
+    """GRU-like state over the block: [g, c, o] = joint_proj([s; W1[prev]; ĥ]); s' = σ(g)s + (1-σ(g))tanh(c); bias = W2 tanh(o)."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        self.joint_proj = nn.Linear(2 * config.markov_rank + config.hidden_size, 3 * config.markov_rank, bias=True)
+
+    def initial_state(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states.new_zeros(*hidden_states.shape[:-1], self.markov_rank)
+
+    def step(self, hidden_states, prev_embeds, state):
+        if state is None:
+            state = self.initial_state(hidden_states)
+        gate, candidate, output = self.joint_proj(torch.cat([state, prev_embeds, hidden_states], dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1.0 - gate) * torch.tanh(candidate)
+        return self.markov_w2(torch.tanh(output)), state
+
+    def block_bias(self, hidden_states, prev_embeds):
+        state = self.initial_state(hidden_states[..., 0, :])
+        biases = []
+        for n in range(hidden_states.shape[-2]):
+            bias, state = self.step(hidden_states[..., n, :], prev_embeds[..., n, :], state)
+            biases.append(bias)
+        return torch.stack(biases, dim=-2)
+
+
+MARKOV_HEAD_CLASSES = {
+    "vanilla": DSparkVanillaMarkovHead,
+    "gated": DSparkGatedMarkovHead,
+    "rnn": DSparkRNNMarkovHead,
+}
+
+
+class DSparkConfidenceHead(nn.Module):
+    """c_n = σ(w·[ĥ_n ; W1[prev_n]] + b): probability that draft n survives given all earlier drafts did."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.with_markov = config.confidence_head_with_markov and config.markov_rank > 0
+        self.proj = nn.Linear(config.hidden_size + (config.markov_rank if self.with_markov else 0), 1, bias=True)
+
+    def forward(self, hidden_states: torch.Tensor, prev_embeds: torch.Tensor | None) -> torch.Tensor:
+        features = torch.cat([hidden_states, prev_embeds], dim=-1) if self.with_markov else hidden_states
+        return self.proj(features).squeeze(-1)  # logits (...,)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class DSparkContextCache:
+    """Per-layer K/V of the committed context, computed once per position. The drafted block is never stored."""
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def get_seq_length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def update(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+        if layer_idx == len(self.keys):
+            self.keys.append(keys)
+            self.values.append(values)
+        else:
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], keys], dim=2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], values], dim=2)
+
+    def crop(self, max_length: int):
+        """Keep the first `max_length` context positions (e.g. to reuse a prefix)."""
+        self.keys = [k[:, :, :max_length] for k in self.keys]
+        self.values = [v[:, :, :max_length] for v in self.values]
+
+    def __getitem__(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+@dataclass
+class DSparkTrainingOutput(ModelOutput):
+    """Training forward over (anchor, block) pairs; every tensor is indexed (batch, anchor, draft n)."""
+
+    logits: torch.Tensor | None = None  # (b, J, N, V_d) Markov-corrected, teacher-forced
+    base_logits: torch.Tensor | None = None  # (b, J, N, V_d) U_n without the Markov bias
+    confidence_logits: torch.Tensor | None = None  # (b, J, N)
+    label_positions: torch.LongTensor | None = None  # (b, J, N) position p+n each draft predicts
+    hidden_states: torch.Tensor | None = None  # (b, J, N, d) the drafts' hidden rows
+
+
+@dataclass
+class DSparkDraftOutput(ModelOutput):
+    """One drafted block (batch 1). `draft_logits` are what the drafts were chosen from (Markov-corrected, processed)."""
+
+    token_ids: torch.LongTensor | None = None  # (1, n) target ids
+    draft_logits: torch.Tensor | None = None  # (1, n, V_d) Markov-corrected logits, before processors
+    target_logits: torch.Tensor | None = None  # (1, n, V_t) processed, -inf outside the draft vocab (sampling q)
+    confidences: torch.Tensor | None = None  # (1, n) calibrated c_n
+    survival: torch.Tensor | None = None  # (1, n) a_n = prod_{i<=n} c_i
+
+
+class DSparkPreTrainedModel(PreTrainedModel):
+    config_class = DSparkConfig
+    config: DSparkConfig
+    base_model_prefix = "dspark"
+    main_input_name = "aux_hidden_states"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DSparkDecoderLayer"]
+    _supports_sdpa = True
+    _supports_attention_backend = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, DSparkRMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, DSparkRotaryEmbedding):
+            inv_freq, _ = module.compute_inv_freq(module.config, device=module.inv_freq.device)
+            module.inv_freq.copy_(inv_freq)
+        if isinstance(module, DSparkVanillaMarkovHead):
+            nn.init.normal_(module.markov_w1.weight, mean=0.0, std=0.01)
+        if isinstance(module, DSparkForDrafting):
+            # Identity draft vocabulary until `set_draft_vocab` installs a real one.
+            module.d2t.zero_()
+            module.t2d.zero_()
+            module.t2d[: self.config.draft_vocab_size] = True
+
+
+class DSparkForDrafting(DSparkPreTrainedModel):
+    """A DSpark drafter.
+
+    Tensors (names are the checkpoint format): `layers.{i}.*`, `fc`, `hidden_norm`, `norm`, `embed_tokens` (frozen copy
+    of the target's input embeddings, [V_t, d]), `lm_head` (frozen target LM-head rows where `t2d`, [V_d, d]), `d2t`,
+    `t2d`, `markov_head.*`, `confidence_head.*`.
+
+    `embed_tokens` and `lm_head` may be absent from a checkpoint (`config.bind_target_embeddings`): they are then bound
+    from the target with `bind_target(target)`, which the candidate generator calls on first use.
+    """
+
+    _keys_to_ignore_on_load_missing = [r"^embed_tokens\.weight$", r"^lm_head\.weight$"]
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        num_aux = len(config.aux_hidden_state_layer_ids)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.fc = nn.Linear(num_aux * config.target_hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = DSparkRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([DSparkDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = DSparkRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = DSparkRotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.markov_head = MARKOV_HEAD_CLASSES[config.markov_head_type](config) if config.markov_rank > 0 else None
+        self.confidence_head = DSparkConfidenceHead(config) if config.enable_confidence_head else None
+        self.d2t = nn.Buffer(torch.zeros(config.draft_vocab_size, dtype=torch.long))  # draft id j -> target j + d2t[j]
+        self.t2d = nn.Buffer(torch.zeros(config.vocab_size, dtype=torch.bool))  # target id in draft vocab?
+        # Drafting settings read by the candidate generator: `num_assistant_tokens` (max drafts per round),
+        # `dspark_confidence_threshold` and `dspark_verify_cost` (confidence-scheduled block length, off by default).
+        self.generation_config = GenerationConfig(num_assistant_tokens=config.num_draft_tokens)
+        self.post_init()
+        self.embed_tokens.weight.requires_grad_(False)
+        self.lm_head.weight.requires_grad_(False)
+
+    # --------------------------------------------------------------------------------------------------------------
+    # Vocabulary and target binding
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    @torch.no_grad()
+    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor):
+        """Install a draft vocabulary: d2t (int64 [V_d]) offsets and t2d (bool [V_t]) membership, ascending ids."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape or int(t2d.sum()) != d2t.numel():
+            raise ValueError(
+                f"draft vocabulary shapes d2t{tuple(d2t.shape)}/t2d{tuple(t2d.shape)} (with {int(t2d.sum())} members) "
+                f"do not fit this drafter (V_d={self.d2t.numel()}, V_t={self.t2d.numel()}); rebuild it with "
+                "`dspark-hf vocab --draft-vocab-size` equal to config.draft_vocab_size."
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @property
+    def draft_to_target_ids(self) -> torch.LongTensor:
+        """Target id of each draft id (V_d,)."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    @torch.no_grad()
+    def bind_target(self, target: PreTrainedModel):
+        """Copy the frozen embedding table and the draft-vocab rows of the LM head from the target model."""
+        check_target_compatibility(self.config, target)
+        embeddings = target.get_input_embeddings().weight
+        head = target.get_output_embeddings().weight
+        device = self.fc.weight.device
+        self.embed_tokens.weight.copy_(embeddings.to(device=device, dtype=self.embed_tokens.weight.dtype))
+        rows = self.draft_to_target_ids.to(head.device)
+        self.lm_head.weight.copy_(head[rows].to(device=device, dtype=self.lm_head.weight.dtype))
+        self._bound_target = target.config.name_or_path
+
+    def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
+        """Also writes the drafting settings (`generation_config.json`); checkpoints with `bind_target_embeddings`
+        omit the frozen target copies (they come from the target at attach time)."""
+        if self.config.bind_target_embeddings:
+            state_dict = dict(state_dict if state_dict is not None else self.state_dict())
+            state_dict.pop("embed_tokens.weight", None)
+            state_dict.pop("lm_head.weight", None)
+        result = super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+        if kwargs.get("is_main_process", True):
+            self.generation_config.save_pretrained(save_directory)
+        return result
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        if os.path.isdir(pretrained_model_name_or_path):
+            config = kwargs.get("config")
+            check_checkpoint_shapes(
+                pretrained_model_name_or_path,
+                config if isinstance(config, DSparkConfig) else DSparkConfig.from_pretrained(pretrained_model_name_or_path),
+            )
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        hub_kwargs = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+        except OSError:  # no generation_config.json: keep the defaults from the config
+            pass
+        return model
+
+    # --------------------------------------------------------------------------------------------------------------
+    # Shared pieces of training and inference
+
+    def fuse_context(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """c_t = hidden_norm(fc([h_s1; ...; h_sm])) : (b, t, m·d) -> (b, t, d)."""
+        return self.hidden_norm(self.fc(aux_hidden_states.to(self.fc.weight.dtype)))
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.config.num_draft_tokens
+
+    def _draft_rows(self, block_hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden rows that produce drafts 1..N: slots 1..B-1, or 0..B-1 with `sample_from_anchor`."""
+        return block_hidden if self.config.sample_from_anchor else block_hidden[..., 1:, :]
+
+    def _block_embeddings(self, anchor_ids: torch.LongTensor) -> torch.Tensor:
+        """[x_p, MASK × (B-1)] embeddings: anchor_ids (...,) -> (..., B, d)."""
+        mask = torch.full_like(anchor_ids, self.config.mask_token_id)
+        ids = torch.stack([anchor_ids] + [mask] * (self.config.block_size - 1), dim=-1)
+        return self.embed_tokens(ids)
+
+    def _markov_and_confidence(
+        self, draft_hidden: torch.Tensor, prev_ids: torch.LongTensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Teacher-forced Markov bias (..., N, V_d) and confidence logits (..., N) given each draft's previous token."""
+        prev_embeds = self.markov_head.embed_previous(prev_ids) if self.markov_head is not None else None
+        bias = self.markov_head.block_bias(draft_hidden, prev_embeds) if self.markov_head is not None else None
+        confidence = self.confidence_head(draft_hidden, prev_embeds) if self.confidence_head is not None else None
+        return bias, confidence
+
+    # --------------------------------------------------------------------------------------------------------------
+    # Training forward: many (anchor, block) pairs of one sequence per batch row, with the exact inference mask.
+
+    def forward(
+        self,
+        aux_hidden_states: torch.Tensor | None = None,  # (b, T, m·d) target aux states of every position
+        input_ids: torch.LongTensor | None = None,  # (b, T) the sequence (anchors and teacher-forced previous tokens)
+        anchor_positions: torch.LongTensor | None = None,  # (b, J) anchor positions p_j
+        attention_mask: torch.Tensor | None = None,  # (b, T) 1 = real token (right padding)
+        noise_embeds: torch.Tensor | None = None,
+        context_hidden_states: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        **kwargs,
+    ) -> DSparkTrainingOutput | BaseModelOutputWithPast:
+        """Block j sees the context rows t < p_j of its own sequence and its own B block rows, nothing else.
+
+        Called with `noise_embeds`/`context_hidden_states`/`cache` instead, it serves transformers' built-in
+        `generate(..., speculation_type="dflash")` path (see `_dflash_forward`).
+        """
+        if noise_embeds is not None:
+            return self._dflash_forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache)
+        b, T = input_ids.shape
+        J, B, N = anchor_positions.shape[1], self.config.block_size, self.num_draft_tokens
+        device = input_ids.device
+
+        context = self.fuse_context(aux_hidden_states)  # (b, T, d)
+        context_pos = torch.arange(T, device=device).expand(b, T)
+        context_rope = self.rotary_emb(context, context_pos)
+
+        anchor_ids = input_ids.gather(1, anchor_positions)  # (b, J)
+        hidden = self._block_embeddings(anchor_ids).reshape(b, J * B, -1)  # (b, J·B, d)
+        block_pos = (anchor_positions[..., None] + torch.arange(B, device=device)).reshape(b, J * B)
+        block_rope = self.rotary_emb(hidden, block_pos)
+
+        # mask (b, 1, J·B, T + J·B): context t < p_j (and real), plus the block's own rows
+        sees_context = torch.arange(T, device=device)[None, None, :] < anchor_positions[..., None]  # (b, J, T)
+        if attention_mask is not None:
+            sees_context = sees_context & attention_mask.bool()[:, None, :]
+        sees_context = sees_context[:, :, None, :].expand(b, J, B, T).reshape(b, J * B, T)
+        block_of_row = torch.arange(J * B, device=device) // B
+        sees_block = (block_of_row[:, None] == block_of_row[None, :]).expand(b, J * B, J * B)
+        mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]
+
+        for layer in self.layers:
+            context_kv = layer.self_attn.project_kv(context, context_rope)
+            hidden = layer(hidden, block_rope, context_kv, mask)
+        hidden = self.norm(hidden).reshape(b, J, B, -1)
+
+        draft_hidden = self._draft_rows(hidden)  # (b, J, N, d)
+        base_logits = self.lm_head(draft_hidden)
+        label_positions = anchor_positions[..., None] + torch.arange(1, N + 1, device=device)  # (b, J, N)
+        prev_ids = input_ids.gather(1, (label_positions - 1).clamp(max=T - 1).reshape(b, J * N)).reshape(b, J, N)
+        bias, confidence_logits = self._markov_and_confidence(draft_hidden, prev_ids)
+        return DSparkTrainingOutput(
+            logits=base_logits + bias if bias is not None else base_logits,
+            base_logits=base_logits,
+            confidence_logits=confidence_logits,
+            label_positions=label_positions,
+            hidden_states=draft_hidden,
+        )
+
+    @torch.no_grad()
+    def _dflash_forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask, cache):
+        """transformers' DFlash protocol: new context rows + the block in one call, K/V kept in its DFlashCache.
+
+        That path drafts greedily from `last_hidden_state[:, 1:]` through the target's full LM head with no Markov
+        bias, so it fits only a drafter trained that way: DFlash slot convention, no Markov head, full vocabulary.
+        """
+        if self.markov_head is not None or self.config.sample_from_anchor or self.config.draft_vocab_size != self.config.vocab_size:
+            raise ValueError(
+                "speculation_type='dflash' drafts with the target's full LM head and no Markov bias; this drafter has "
+                f"markov_rank={self.config.markov_rank}, sample_from_anchor={self.config.sample_from_anchor}, "
+                f"draft_vocab_size={self.config.draft_vocab_size}/{self.config.vocab_size}. Drop speculation_type to use DSpark drafting."
+            )
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("DSpark drafting needs an unpadded prompt (attention_mask all ones); drop the padding.")
+        num_context = context_hidden_states.shape[1]
+        context = self.fuse_context(context_hidden_states)
+        hidden = noise_embeds.to(context.dtype)
+        context_rope = self.rotary_emb(context, position_ids[:, :num_context])
+        block_rope = self.rotary_emb(hidden, position_ids[:, num_context:])
+        for layer in self.layers:
+            context_kv = layer.self_attn.project_kv(context, context_rope)
+            hidden = layer(hidden, block_rope, context_kv, None, cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=cache)
+
+    # --------------------------------------------------------------------------------------------------------------
+    # Inference
+
+    @torch.no_grad()
+    def extend_context(self, cache: DSparkContextCache, aux_hidden_states: torch.Tensor) -> DSparkContextCache:
+        """Append committed positions (b, n, m·d) to the context cache; their K/V are computed exactly once."""
+        start = cache.get_seq_length()
+        context = self.fuse_context(aux_hidden_states)
+        positions = torch.arange(start, start + context.shape[1], device=context.device).expand(context.shape[0], -1)
+        rope = self.rotary_emb(context, positions)
+        for i, layer in enumerate(self.layers):
+            cache.update(i, *layer.self_attn.project_kv(context, rope))
+        return cache
+
+    @torch.no_grad()
+    def block_hidden_states(self, cache: DSparkContextCache, anchor_ids: torch.LongTensor) -> torch.Tensor:
+        """The one parallel pass: (b,) anchors at position = context length -> normalized draft rows (b, N, d)."""
+        hidden = self._block_embeddings(anchor_ids)  # (b, B, d)
+        start = cache.get_seq_length()
+        positions = torch.arange(start, start + self.config.block_size, device=hidden.device).expand(hidden.shape[0], -1)
+        rope = self.rotary_emb(hidden, positions)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, rope, cache[i], None)
+        return self._draft_rows(self.norm(hidden))
+
+    @torch.no_grad()
+    def draft_block(
+        self,
+        cache: DSparkContextCache,
+        anchor_id: torch.LongTensor | int,
+        num_drafts: int | None = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        input_ids: torch.LongTensor | None = None,
+        confidence_threshold: float | None = None,
+        verify_cost: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> DSparkDraftOutput:
+        """Draft one block after the cached context: one parallel pass, then the Markov head left to right.
+
+        Sampling draws each x_n from q_n = softmax(processed(U_n + bias(prev))), scattered to the target vocab; the
+        processed target-vocab logits are returned so rejection sampling uses exactly that q. With
+        `confidence_threshold` the block is cut at the first n whose survival a_n falls below it; with `verify_cost`
+        (cost of one more verified token relative to a verify pass), draft n is kept only while it raises the
+        expected accepted tokens per unit cost. Both look only at c_n, which depends on tokens before n (lossless).
+        """
+        num_drafts = self.num_draft_tokens if num_drafts is None else min(num_drafts, self.num_draft_tokens)
+        device = self.fc.weight.device
+        anchor = torch.as_tensor(anchor_id, device=device).reshape(1)
+        draft_hidden = self.block_hidden_states(cache, anchor)[:, :num_drafts]  # (1, n, d)
+        base_logits = self.lm_head(draft_hidden).float()  # (1, n, V_d)
+        if logits_processor is None and do_sample:
+            logits_processor = _sampling_warpers(temperature, top_k, top_p)
+        draft_to_target = self.draft_to_target_ids
+        temperatures = self.config.confidence_temperatures
+        wants_target_logits = do_sample or bool(logits_processor)
+        sequence = input_ids if input_ids is not None else anchor.reshape(1, 1)
+
+        tokens, draft_logits, target_logits, confidences, survival = [], [], [], [], []
+        prev = anchor
+        alive, expected, cost = 1.0, 1.0, 1.0
+        state = None
+        for n in range(num_drafts):
+            hidden_n = draft_hidden[:, n]  # (1, d)
+            prev_embeds = self.markov_head.embed_previous(prev) if self.markov_head is not None else None
+            logits_n = base_logits[:, n]
+            if self.markov_head is not None:
+                bias, state = self.markov_head.step(hidden_n, prev_embeds, state)
+                logits_n = logits_n + bias.float()
+            if self.confidence_head is not None:
+                confidence = torch.sigmoid(self.confidence_head(hidden_n, prev_embeds).float() / temperatures[n])
+                alive = alive * float(confidence)
+                if confidence_threshold is not None and alive < confidence_threshold:
+                    break
+                if verify_cost is not None and (expected + alive) / (cost + verify_cost) <= expected / cost:
+                    break
+                expected, cost = expected + alive, cost + verify_cost if verify_cost is not None else cost
+                confidences.append(confidence)
+                survival.append(torch.full_like(confidence, alive))
+
+            if wants_target_logits:
+                scores = logits_n.new_full((1, self.config.vocab_size), float("-inf"))
+                scores[:, draft_to_target] = logits_n
+                if logits_processor:
+                    scores = logits_processor(sequence, scores)
+                if do_sample:
+                    token = torch.multinomial(F.softmax(scores, dim=-1), 1, generator=generator).reshape(1)
+                else:
+                    token = scores.argmax(dim=-1)
+                target_logits.append(scores)
+            else:
+                token = draft_to_target[logits_n.argmax(dim=-1)]
+            tokens.append(token)
+            draft_logits.append(logits_n)
+            if logits_processor:  # processors such as repetition penalty read the drafts so far
+                sequence = torch.cat([sequence, token.reshape(1, 1)], dim=-1)
+            prev = token
+
+        def stack(values, dim=1):
+            return torch.stack(values, dim=dim) if values else None
+
+        return DSparkDraftOutput(
+            token_ids=stack(tokens) if tokens else anchor.new_zeros((1, 0)),
+            draft_logits=stack(draft_logits),
+            target_logits=stack(target_logits),
+            confidences=torch.cat(confidences, dim=-1)[None] if confidences else None,
+            survival=torch.cat(survival, dim=-1)[None] if survival else None,
+        )
+
+
+def _sampling_warpers(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
+    warpers = LogitsProcessorList()
+    if temperature is not None and temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
+def check_checkpoint_shapes(directory: str, config: DSparkConfig):
+    """Refuse, in one line, a checkpoint whose tensor shapes disagree with its config (names the first mismatch)."""
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in DSparkForDrafting(config).state_dict().items()}
+    for file in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        with safe_open(file, framework="pt") as checkpoint:
+            for name in checkpoint.keys():
+                shape = tuple(checkpoint.get_slice(name).get_shape())
+                if name in expected and shape != expected[name]:
+                    raise ValueError(
+                        f"{os.path.basename(file)}: {name} has shape {shape} in the checkpoint but {expected[name]} "
+                        "from config.json; fix the config (or re-export the checkpoint) so they agree."
+                    )
+
+
+def check_target_compatibility(config: DSparkConfig, target: PreTrainedModel):
+    """One clear error per way a drafter cannot serve this target (DESIGN §9)."""
+    text_config = target.config.get_text_config()
+    if text_config.hidden_size != config.target_hidden_size:
+        raise ValueError(
+            f"DSpark drafter expects target hidden size {config.target_hidden_size} but the target has "
+            f"{text_config.hidden_size}; use a drafter trained for this target."
+        )
+    if text_config.vocab_size != config.vocab_size:
+        raise ValueError(
+            f"DSpark drafter vocab_size={config.vocab_size} differs from the target's {text_config.vocab_size}; "
+            "use a drafter trained for this target's tokenizer."
+        )
+    depth = text_config.num_hidden_layers
+    if max(config.aux_hidden_state_layer_ids) > depth:
+        raise ValueError(
+            f"DSpark aux layer id {max(config.aux_hidden_state_layer_ids)} is beyond the target's {depth} layers; "
+            f"use aux_hidden_state_layer_ids within [0, {depth}]."
+        )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# transformers integration: `target.generate(**inputs, assistant_model=drafter)` with no extra flags.
+
+
+@dataclass
+class DSparkGenerationStats:
+    """What happened in the last `generate` call: one entry per verify round."""
+
+    num_draft_tokens: int
+    drafted: list[int] = field(default_factory=list)  # drafts proposed per round
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per round (bonus token not included)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per verify round, bonus included (τ measured live)."""
+        return 1.0 + sum(self.accepted) / max(self.rounds, 1)
+
+    def acceptance_cumulative(self) -> list[float]:
+        """P(drafts 1..k all accepted) over rounds that proposed at least k drafts."""
+        return [
+            sum(a >= k for a, d in zip(self.accepted, self.drafted) if d >= k) / max(sum(d >= k for d in self.drafted), 1)
+            for k in range(1, self.num_draft_tokens + 1)
+        ]
+
+    def acceptance_conditional(self) -> list[float]:
+        """P(draft k accepted | drafts 1..k-1 accepted), over rounds that proposed draft k."""
+        rates = []
+        for k in range(1, self.num_draft_tokens + 1):
+            reached = [a for a, d in zip(self.accepted, self.drafted) if d >= k and a >= k - 1]
+            rates.append(sum(a >= k for a in reached) / max(len(reached), 1))
+        return rates
+
+    def accepted_histogram(self) -> list[int]:
+        """Rounds by number of accepted drafts 0..N."""
+        return [sum(a == k for a in self.accepted) for k in range(self.num_draft_tokens + 1)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "drafted_tokens": sum(self.drafted),
+            "accepted_tokens": sum(self.accepted),
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_cumulative": self.acceptance_cumulative(),
+            "acceptance_conditional": self.acceptance_conditional(),
+            "accepted_histogram": self.accepted_histogram(),
+            "draft_time_s": self.draft_time_s,
+            "verify_time_s": self.verify_time_s,
+        }
+
+
+class DSparkCandidateGenerator(CandidateGenerator):
+    """Feeds the drafter the aux hidden states of committed positions from each verify pass and drafts one block.
+
+    Round 0 returns the prompt unchanged so the target's prefill yields the prompt's hidden states. Afterwards the
+    positions committed since the last round (the whole prompt on round 1; the previous anchor plus the accepted
+    drafts later) are appended to the drafter's context cache, and the newest target token is the anchor.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(
+        self,
+        drafter: DSparkForDrafting,
+        target: PreTrainedModel,
+        input_ids: torch.LongTensor,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+    ):
+        _check_generation_limits(generation_config, batch_size=input_ids.shape[0])
+        attention_mask = (model_kwargs or {}).get("attention_mask")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("DSpark speculative decoding needs an unpadded prompt (attention_mask all ones); drop the padding.")
+        check_target_compatibility(drafter.config, target)
+        self.drafter = drafter
+        self.aux_layer_ids = list(drafter.config.aux_hidden_state_layer_ids)
+        # Ask the verify pass for exactly the aux layers; a user asking for all hidden states gets them all.
+        wants_all = generation_config.output_hidden_states and generation_config.return_dict_in_generate
+        self.model_kwargs_overrides = {"output_hidden_states": True if wants_all else self.aux_layer_ids}
+        if drafter.config.bind_target_embeddings and getattr(drafter, "_bound_target", None) != target.config.name_or_path:
+            drafter.bind_target(target)
+
+        drafting = drafter.generation_config
+        self.num_drafts = int(getattr(drafting, "num_assistant_tokens", None) or drafter.num_draft_tokens)
+        self.confidence_threshold = getattr(drafting, "dspark_confidence_threshold", None)
+        self.verify_cost = getattr(drafting, "dspark_verify_cost", None)
+        if (self.confidence_threshold is not None or self.verify_cost is not None) and drafter.confidence_head is None:
+            raise ValueError(
+                "confidence-scheduled drafting needs a confidence head; set enable_confidence_head or unset "
+                "dspark_confidence_threshold / dspark_verify_cost on the drafter's generation_config."
+            )
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor if logits_processor else None
+        self.max_length = generation_config.max_length
+        self.cache = DSparkContextCache()
+        self.stats = DSparkGenerationStats(num_draft_tokens=drafter.num_draft_tokens)
+        drafter.last_generation_stats = self.stats
+        self._last_drafted = 0
+        self._verify_started = None
+        self._prefilled = False
+
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict[str, Any] | None = None,
+        model_outputs: ModelOutput | None = None,
+        is_first_iteration: bool = False,
+        n_last_matches: int = 0,
+        **kwargs,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        start = time.perf_counter()
+        self._last_drafted = 0
+        if is_first_iteration:
+            self._verify_started = time.perf_counter()
+            return input_ids, None
+        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
+            raise ValueError("DSpark drafting needs the target's hidden states from the verify pass; none were returned.")
+
+        # Commit every position before the anchor that the drafter has not seen yet.
+        num_new = input_ids.shape[1] - 1 - self.cache.get_seq_length()
+        device = self.drafter.fc.weight.device
+        aux = torch.cat([model_outputs.hidden_states[i][:, :num_new] for i in self.aux_layer_ids], dim=-1)
+        self.drafter.extend_context(self.cache, aux.to(device))
+
+        budget = min(self.num_drafts, self.max_length - input_ids.shape[1] - 1)
+        if budget <= 0:
+            self.stats.draft_time_s += time.perf_counter() - start
+            self._verify_started = time.perf_counter()
+            return input_ids, None
+        draft = self.drafter.draft_block(
+            self.cache,
+            input_ids[0, -1].to(device),
+            num_drafts=budget,
+            do_sample=self.do_sample,
+            logits_processor=self.logits_processor,
+            input_ids=input_ids.to(device),
+            confidence_threshold=self.confidence_threshold,
+            verify_cost=self.verify_cost,
+        )
+        self._last_drafted = draft.token_ids.shape[1]
+        candidates = torch.cat([input_ids, draft.token_ids.to(input_ids.device)], dim=-1)
+        candidate_logits = draft.target_logits if self.do_sample and self._last_drafted else None
+        self.stats.draft_time_s += time.perf_counter() - start
+        self._verify_started = time.perf_counter()
+        return candidates, candidate_logits
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        if self._verify_started is not None:
+            self.stats.verify_time_s += time.perf_counter() - self._verify_started
+        if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
+            self.stats.drafted.append(self._last_drafted)
+            self.stats.accepted.append(int(num_matches))
+        self._prefilled = True
+
+
+def _dspark_candidate_generator_factory(
+    drafter: DSparkForDrafting,
+    target: PreTrainedModel,
+    generation_config: GenerationConfig,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    model_kwargs: dict[str, Any],
+) -> DSparkCandidateGenerator:
+    return DSparkCandidateGenerator(drafter, target, input_ids, generation_config, logits_processor, model_kwargs)
+
+
+# The namespaced attribute the routing hook looks for on an assistant model.
+DSPARK_FACTORY_ATTRIBUTE = "_dspark_candidate_generator_factory"
+DSparkForDrafting._dspark_candidate_generator_factory = _dspark_candidate_generator_factory
+
+
+def _check_generation_limits(generation_config: GenerationConfig, batch_size: int | None = None):
+    """The limits of assisted generation, each as one clear error (transformers would silently beam-search)."""
+    if generation_config.num_beams > 1:
+        raise ValueError(
+            f"DSpark speculative decoding does not support beam search (num_beams={generation_config.num_beams}); use num_beams=1."
+        )
+    if generation_config.num_return_sequences > 1:
+        raise ValueError(
+            f"DSpark speculative decoding returns one sequence (num_return_sequences={generation_config.num_return_sequences}); "
+            "call generate repeatedly instead."
+        )
+    if batch_size is not None and batch_size != 1:
+        raise ValueError(f"DSpark speculative decoding supports batch size 1, got {batch_size}; call generate once per prompt.")
+
+
+def install_dspark_routing():
+    """Wrap `GenerationMixin._get_candidate_generator` once so DSpark assistants get their own generator.
+
+    Idempotent across every copy of this module (the library's and each checkpoint's remote code): the wrappers are
+    marked, and they dispatch on the assistant's own factory, so plain small-LM assistants, prompt lookup and
+    `speculation_type="dflash"` take the original path untouched. A second wrapper on `_validate_generation_mode`
+    turns the modes a drafter cannot serve (beam search) into a clear error instead of silently ignoring it.
+    """
+    original = GenerationMixin._get_candidate_generator
+    if getattr(original, "_dspark_routing", False):
+        return
+    original_validate = GenerationMixin._validate_generation_mode
+
+    @functools.wraps(original)
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+        factory = getattr(assistant_model, DSPARK_FACTORY_ATTRIBUTE, None)
+        if (
+            factory is not None
+            and generation_config.speculation_type != "dflash"
+            and generation_config.prompt_lookup_num_tokens is None
+            and generation_config.assistant_early_exit is None
+        ):
+            return factory(self, generation_config, input_ids, logits_processor, model_kwargs)  # bound to the assistant
+        return original(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                        assistant_model=assistant_model, target_tokenizer=target_tokenizer,
+                        assistant_tokenizer=assistant_tokenizer)
+
+    @functools.wraps(original_validate)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        if getattr(generation_mode_kwargs.get("assistant_model"), DSPARK_FACTORY_ATTRIBUTE, None) is not None:
+            _check_generation_limits(generation_config)
+        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    _get_candidate_generator._dspark_routing = True
+    _validate_generation_mode._dspark_routing = True
+    GenerationMixin._get_candidate_generator = _get_candidate_generator
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
+
+
+install_dspark_routing()
+
+# `save_pretrained`/`push_to_hub` write `auto_map` and copy both remote-code files next to the weights.
+DSparkConfig.register_for_auto_class()
+DSparkForDrafting.register_for_auto_class("AutoModel")
+
+
+__all__ = [
+    "DSparkCandidateGenerator",
+    "DSparkContextCache",
+    "DSparkDraftOutput",
+    "DSparkForDrafting",
+    "DSparkGenerationStats",
+    "DSparkPreTrainedModel",
+    "DSparkTrainingOutput",
+    "install_dspark_routing",
+]

@@ -1,0 +1,282 @@
+# Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
+"""DSpark drafter configuration.
+
+Remote-code file: it is copied next to every checkpoint and imports only torch and transformers.
+
+One `config.json` serves three loaders: transformers (`model_type`, `auto_map`, `vocab_size` = target vocab), the
+speculators library and vLLM (`speculators_model_type`, `transformer_layer_config`, `speculators_config`, ...).
+The draft geometry is stored flat on the object and mirrored into `transformer_layer_config` when serialized.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+# Draft transformer fields that live both flat on the config and inside `transformer_layer_config`.
+_GEOMETRY_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768,
+}
+
+# The published Kimi-K2.6 DSpark drafter (novita/kimi-k2.6-dspark), reproduced tensor for tensor.
+PRESETS: dict[str, dict[str, Any]] = {
+    "kimi-k2.6": {
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 56,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+        "max_position_embeddings": 20000,
+        "vocab_size": 163840,
+        "draft_vocab_size": 32000,
+        "block_size": 8,
+        "sample_from_anchor": False,
+        "aux_hidden_state_layer_ids": [1, 29, 57],
+        "target_hidden_size": 7168,
+        "target_num_hidden_layers": 61,
+        "mask_token_id": 163608,
+        "markov_rank": 256,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "verifier_name_or_path": "moonshotai/Kimi-K2.6",
+        "verifier_architectures": ["DeepseekV3ForCausalLM"],
+        "dtype": "bfloat16",
+    },
+}
+
+
+@strict
+class DSparkConfig(PreTrainedConfig):
+    r"""
+    Configuration of a DSpark drafter: a parallel block drafter conditioned on fused target hidden states, with a
+    Markov logit-bias head (semi-autoregressive block) and a confidence head (predicted survival of each draft).
+
+    Args:
+        hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
+        rms_norm_eps, rope_parameters, max_position_embeddings: the Qwen3-style draft layers. `hidden_size` must
+            equal the target's hidden size (the drafter reads the target's embedding table).
+        vocab_size (`int`): the **target** vocabulary size (transformers refuses an assistant whose vocab differs).
+        draft_vocab_size (`int`): size of the draft vocabulary (rows of `lm_head`); defaults to `vocab_size`.
+        block_size (`int`): slots per drafted block (anchor included).
+        aux_hidden_state_layer_ids (`list[int]`): target layers fused into the context, in the speculators/vLLM
+            convention (index into HF `hidden_states`: 0 = embeddings, k = output of decoder layer k-1).
+        target_hidden_size (`int`): hidden size of the target.
+        target_num_hidden_layers (`int`, *optional*): depth of the target, used to reject impossible layer ids early.
+        mask_token_id (`int`): id filling block slots 1..B-1.
+        sample_from_anchor (`bool`): `False` = DFlash/Kimi convention (slot 0 predicts nothing, B-1 drafts);
+            `True` = DSpark paper/DeepSpec convention (slot k predicts position p+k+1, B drafts).
+        markov_rank (`int`): rank r of the Markov head; 0 disables it.
+        markov_head_type (`str`): `vanilla`, `gated` or `rnn`.
+        enable_confidence_head (`bool`), confidence_head_with_markov (`bool`): the confidence head and whether it
+            also reads the Markov embedding of the previous token.
+        confidence_temperatures (`list[float]`): per-draft temperatures from Sequential Temperature Scaling (1.0 =
+            uncalibrated).
+        bind_target_embeddings (`bool`): the checkpoint omits `embed_tokens`/`lm_head`; they are bound from the target
+            model at attach time.
+    """
+
+    model_type = "dspark"
+    keys_to_ignore_at_inference = ["cache"]
+
+    # Draft transformer geometry (None = take it from `transformer_layer_config` or the defaults).
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float | None = None
+    max_position_embeddings: int | None = None
+    rope_parameters: dict | None = None
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    attention_dropout: float | int = 0.0
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+
+    # Vocabularies and the block.
+    vocab_size: int | None = None
+    draft_vocab_size: int | None = None
+    block_size: int = 8
+    mask_token_id: int | None = None
+    sample_from_anchor: bool = False
+
+    # Target coupling.
+    aux_hidden_state_layer_ids: list[int] | None = None
+    target_hidden_size: int | None = None
+    target_num_hidden_layers: int | None = None
+    bind_target_embeddings: bool = False
+    verifier_name_or_path: str | None = None
+    verifier_architectures: list[str] | None = None
+
+    # DSpark heads.
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+    confidence_temperatures: list[float] | None = None
+
+    speculators_model_type: str = "dspark"
+
+    def __post_init__(self, **kwargs):
+        # speculators/vLLM layout: geometry nested in `transformer_layer_config`; derived blocks are re-created on save.
+        layer_config = kwargs.pop("transformer_layer_config", None) or {}
+        self._read_verifier(kwargs.pop("speculators_config", None))
+        if "rope_theta" in layer_config and "rope_parameters" not in layer_config:
+            layer_config = {**layer_config, "rope_parameters": {"rope_type": "default", "rope_theta": layer_config["rope_theta"]}}
+        for name, default in {**_GEOMETRY_DEFAULTS, "rope_parameters": None, "vocab_size": 32000}.items():
+            flat, nested = getattr(self, name), layer_config.get(name)
+            if flat is not None and nested is not None and flat != nested:
+                raise ValueError(
+                    f"DSparkConfig: `{name}`={flat} disagrees with transformer_layer_config.{name}={nested}; "
+                    "keep one value (the flat field wins on save)."
+                )
+            setattr(self, name, flat if flat is not None else nested if nested is not None else copy.copy(default))
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", 1_000_000.0)}
+        if self.draft_vocab_size is None:
+            self.draft_vocab_size = self.vocab_size
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.aux_hidden_state_layer_ids is None:
+            target_layer_ids = kwargs.pop("target_layer_ids", None)  # z-lab / DeepSpec convention
+            self.aux_hidden_state_layer_ids = [i + 1 for i in target_layer_ids] if target_layer_ids else [1]
+        if self.confidence_temperatures is None:
+            self.confidence_temperatures = [1.0] * self.num_draft_tokens
+        if self.architectures is None:
+            self.architectures = ["DSparkForDrafting"]
+        kwargs.setdefault("auto_map", {
+            "AutoConfig": "configuration_dspark.DSparkConfig",
+            "AutoModel": "modeling_dspark.DSparkForDrafting",
+        })
+        super().__post_init__(**kwargs)
+        self._check()
+
+    def _read_verifier(self, speculators_config: dict | None):
+        """Take the verifier identity from a loaded speculators block (the rest of it is derived on save)."""
+        verifier = (speculators_config or {}).get("verifier") or {}
+        self.verifier_name_or_path = self.verifier_name_or_path or verifier.get("name_or_path")
+        self.verifier_architectures = self.verifier_architectures or verifier.get("architectures") or None
+
+    def _check(self):
+        """One clear error per impossible combination (DESIGN §9)."""
+        if self.hidden_size != self.target_hidden_size:
+            raise ValueError(
+                f"DSparkConfig: hidden_size={self.hidden_size} differs from target_hidden_size={self.target_hidden_size}; "
+                "the drafter reads the target's embeddings, so set hidden_size to the target's hidden size."
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"DSparkConfig: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; choose a divisor for the KV heads."
+            )
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(
+                f"DSparkConfig: unknown markov_head_type {self.markov_head_type!r}; use one of {', '.join(MARKOV_HEAD_TYPES)}."
+            )
+        if self.markov_rank < 0:
+            raise ValueError(f"DSparkConfig: markov_rank={self.markov_rank} is negative; use 0 to disable the Markov head.")
+        if self.markov_rank == 0 and self.markov_head_type != "vanilla":
+            raise ValueError(
+                f"DSparkConfig: markov_head_type={self.markov_head_type!r} needs markov_rank > 0; set a rank or use 'vanilla'."
+            )
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"DSparkConfig: draft_vocab_size={self.draft_vocab_size} is larger than the vocabulary "
+                f"(vocab_size={self.vocab_size}); use at most vocab_size."
+            )
+        if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"DSparkConfig: mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}); "
+                "pick an unused or reserved token id of the target tokenizer."
+            )
+        if self.block_size < 2 - int(self.sample_from_anchor):
+            raise ValueError(
+                f"DSparkConfig: block_size={self.block_size} drafts no token with sample_from_anchor={self.sample_from_anchor}; "
+                "use block_size >= 2."
+            )
+        if not self.aux_hidden_state_layer_ids or min(self.aux_hidden_state_layer_ids) < 0:
+            raise ValueError(
+                f"DSparkConfig: aux_hidden_state_layer_ids={self.aux_hidden_state_layer_ids} must be non-empty and >= 0 "
+                "(speculators convention: 0 = embeddings, k = output of decoder layer k-1)."
+            )
+        if self.target_num_hidden_layers is not None and max(self.aux_hidden_state_layer_ids) > self.target_num_hidden_layers:
+            raise ValueError(
+                f"DSparkConfig: aux layer id {max(self.aux_hidden_state_layer_ids)} is beyond the target's "
+                f"{self.target_num_hidden_layers} layers; use ids in [0, {self.target_num_hidden_layers}]."
+            )
+        if len(self.confidence_temperatures) != self.num_draft_tokens or min(self.confidence_temperatures) <= 0:
+            raise ValueError(
+                f"DSparkConfig: confidence_temperatures needs {self.num_draft_tokens} positive values "
+                f"(one per draft), got {self.confidence_temperatures}; use 1.0 for uncalibrated positions."
+            )
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Derived views
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts per block: B-1 when slot 0 only carries the anchor, B when the anchor slot also predicts."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        """Decoder-layer indices (z-lab / DeepSpec / transformers-DFlash convention) = aux ids - 1."""
+        return [i - 1 for i in self.aux_hidden_state_layer_ids]
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters.get("rope_theta", 1_000_000.0))
+
+    def transformer_layer_config(self) -> dict[str, Any]:
+        """The Qwen3 config dict speculators and vLLM read for the draft layers."""
+        return {
+            "model_type": "qwen3",
+            **{name: getattr(self, name) for name in _GEOMETRY_DEFAULTS},
+            "hidden_act": self.hidden_act,
+            "attention_bias": self.attention_bias,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": dict(self.rope_parameters),
+            "vocab_size": self.vocab_size,
+        }
+
+    def speculators_config(self) -> dict[str, Any]:
+        return {
+            "algorithm": "dspark",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.num_draft_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": self.verifier_name_or_path, "architectures": self.verifier_architectures or []},
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        output = super().to_dict()
+        output["transformer_layer_config"] = self.transformer_layer_config()
+        output["speculators_config"] = self.speculators_config()
+        return output
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "DSparkConfig":
+        """A published drafter's exact configuration, e.g. `DSparkConfig.from_preset("kimi-k2.6")`."""
+        if name not in PRESETS:
+            raise ValueError(f"DSparkConfig: unknown preset {name!r}; available: {', '.join(PRESETS)}.")
+        return cls(**{**copy.deepcopy(PRESETS[name]), **overrides})
+
+
+__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "PRESETS"]

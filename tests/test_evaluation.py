@@ -1,0 +1,186 @@
+"""`dspark-hf eval` / `bench` / `make demo` code paths, and the shipped SmolLM2 drafter.
+
+Promises tested: offline τ and per-position acceptance equal a direct, one-block-at-a-time computation through the
+inference path; online statistics add up and greedy output equals plain generate; the benchmark and the demo run
+end to end on a tiny model; the drafter shipped in examples/smollm2-dspark loads with `AutoModel` +
+`trust_remote_code` and is lossless against plain greedy SmolLM2 in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_tiny_target
+from dspark_hf import DSparkContextCache
+from dspark_hf.cache import HiddenStateCache, build_cache
+from dspark_hf.evaluation import (
+    calibration_metrics,
+    offline_acceptance,
+    offline_metrics,
+    online_metrics,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "examples" / "smollm2-dspark"
+AUX = [1, 2, 3]
+CONVERSATIONS = [
+    {"id": f"c{i}", "messages": [
+        {"role": "user", "content": f"Tell me something about the number {i}."},
+        {"role": "assistant", "content": f"The number {i} is a fine number, and it comes after {i - 1} in order."},
+    ]}
+    for i in range(3)
+]
+PROMPTS = [[{"role": "user", "content": "Hello, how are you?"}], [{"role": "user", "content": "What is a cat?"}]]
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2_tokenizer):
+    target = make_tiny_target("llama", vocab_size=len(smollm2_tokenizer), layers=4)
+    drafter = make_drafter(target, draft_vocab_size=len(smollm2_tokenizer) // 2, aux_hidden_state_layer_ids=AUX,
+                           mask_token_id=16)
+    return target, smollm2_tokenizer, drafter
+
+
+@torch.no_grad()
+def test_offline_tau_equals_direct_block_by_block_computation(tiny, tmp_path):
+    target, tokenizer, drafter = tiny
+    build_cache(target, tokenizer, CONVERSATIONS, tmp_path / "c", AUX, dtype="float32", progress=False)
+    cache = HiddenStateCache(tmp_path / "c")
+    got = offline_acceptance(drafter, cache, max_anchors=10_000)
+    metrics = offline_metrics(got["accept"], got["mask"], drafter.config.block_size)
+
+    # Direct: every valid anchor, through the inference path (context cache + one block pass), with the vanilla
+    # Markov bias W2·W1[prev] teacher-forced on the data tokens and the target distribution from the cached state.
+    N = drafter.num_draft_tokens
+    accepts, masks = [], []
+    for i in range(len(cache)):
+        s = cache[i]
+        ids, loss, T = s["input_ids"], s["loss_mask"].bool(), len(s["input_ids"])
+        for p in range(T):
+            if not loss[p] or p + N > T - 1:
+                continue
+            ctx = drafter.extend_context(DSparkContextCache(), s["aux_hidden_states"][None, :p].float())
+            rows = drafter.block_hidden_states(ctx, ids[p : p + 1])[0]  # (N, d)
+            prev = ids[p : p + N]
+            logits = drafter.lm_head(rows) + drafter.markov_head.markov_w2(drafter.markov_head.markov_w1(prev))
+            q = torch.softmax(logits.float(), -1)
+            target_p = torch.softmax(s["final_hidden_state"][p : p + N].float() @ drafter.lm_head.weight.T, -1)
+            accepts.append(torch.minimum(q, target_p).sum(-1))
+            masks.append(loss[p + 1 : p + N + 1])
+    accept, mask = torch.stack(accepts), torch.stack(masks)
+    assert got["accept"].shape == accept.shape
+    torch.testing.assert_close(got["accept"], accept, atol=2e-5, rtol=0)
+    assert torch.equal(got["mask"], mask)
+    expected_tau = float((1 + torch.cumprod(accept * mask, -1).sum(-1)).mean())
+    assert metrics["tau"] == pytest.approx(expected_tau, abs=1e-5)
+    expected_pos = (accept * mask).sum(0) / mask.sum(0).clamp(min=1)
+    assert metrics["acceptance"] == pytest.approx(expected_pos.tolist(), abs=1e-5)
+    assert metrics["tau_over_B"] == pytest.approx(metrics["tau"] / drafter.config.block_size)
+
+    cal = calibration_metrics(got["confidence_logits"], got["accept"], got["mask"], [1.0] * N)
+    assert set(cal) == {"temperatures", "before", "after"}
+    assert len(cal["before"]["ece"]) == N and len(cal["after"]["brier"]) == N
+
+
+def test_online_stats_add_up_and_greedy_is_lossless(tiny):
+    target, tokenizer, drafter = tiny
+    greedy = online_metrics(target, tokenizer, drafter, PROMPTS, max_new_tokens=12, do_sample=False, warmup=False)
+    assert greedy["identical_to_plain"] == f"{len(PROMPTS)}/{len(PROMPTS)}"
+    assert sum(greedy["accepted_histogram"]) == greedy["rounds"] > 0
+    assert greedy["mean_accepted_length"] == pytest.approx(1 + greedy["accepted_tokens"] / greedy["rounds"])
+    cumulative, conditional = greedy["acceptance_cumulative"], greedy["acceptance_conditional"]
+    assert len(cumulative) == len(conditional) == drafter.num_draft_tokens
+    assert all(0 <= a <= 1 for a in cumulative + conditional)
+    assert greedy["plain_tokens_per_s"] > 0 and greedy["dspark_tokens_per_s"] > 0
+    sampled = online_metrics(target, tokenizer, drafter, PROMPTS[:1], max_new_tokens=8, do_sample=True, warmup=False)
+    assert sampled["mode"] == "sampling T=1" and sampled["rounds"] > 0
+
+
+def test_eval_and_bench_commands_run_on_a_tiny_model(tiny, tmp_path, capsys):
+    from dspark_hf import benchmark, evaluation
+
+    target, tokenizer, drafter = tiny
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "dspark")
+    dflash = make_drafter(target, draft_vocab_size=len(tokenizer) // 2, aux_hidden_state_layer_ids=AUX, mask_token_id=16,
+                          markov_rank=0, enable_confidence_head=False)
+    dflash.save_pretrained(tmp_path / "dflash")
+    build_cache(target, tokenizer, CONVERSATIONS, tmp_path / "c", AUX, dtype="float32", progress=False)
+
+    parser = argparse.ArgumentParser()
+    evaluation.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "dspark"), "--target", str(tmp_path / "target"), "--cache",
+                              str(tmp_path / "c"), "--num-prompts", "1", "--max-new-tokens", "6", "--dtype", "float32",
+                              "--prompts", str(tmp_path / "prompts.jsonl"), "--split", "all", "--plots",
+                              str(tmp_path / "plots"), "--json", str(tmp_path / "eval.json")])
+    from dspark_hf.data import write_jsonl
+
+    write_jsonl(tmp_path / "prompts.jsonl", CONVERSATIONS)
+    assert evaluation.run(args) == 0
+    out = capsys.readouterr().out
+    assert "offline (teacher-forced" in out and "online (greedy" in out and "calibration" in out
+    assert (tmp_path / "plots" / "acceptance.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "reliability.png").stat().st_size > 0
+
+    parser = argparse.ArgumentParser()
+    benchmark.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "dspark"), "--dflash", str(tmp_path / "dflash"), "--target",
+                              str(tmp_path / "target"), "--prompts", str(tmp_path / "prompts.jsonl"), "--split", "all",
+                              "--num-prompts", "1", "--max-new-tokens", "6", "--repetitions", "2", "--dtype", "float32",
+                              "--assistant-layers", "2", "--json", str(tmp_path / "bench.json")])
+    assert benchmark.run(args) == 0
+    out = capsys.readouterr().out
+    for method in benchmark.ALL_METHODS:
+        assert f"\n{method} " in out
+    assert "drafter overhead" in out and "machine:" in out and "dtype: float32" in out
+
+
+def test_truncated_assistant_shares_the_first_layers(tiny):
+    from dspark_hf.benchmark import truncated_assistant
+
+    target = tiny[0]
+    small = truncated_assistant(target, 2)
+    assert small.config.num_hidden_layers == 2 and target.config.num_hidden_layers == 4
+    torch.testing.assert_close(small.model.layers[1].mlp.up_proj.weight, target.model.layers[1].mlp.up_proj.weight)
+    torch.testing.assert_close(small.lm_head.weight, target.lm_head.weight)
+
+
+def _demo_module():
+    spec = importlib.util.spec_from_file_location("dspark_demo", ROOT / "examples" / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_demo_code_path_on_a_tiny_model(tiny):
+    target, tokenizer, drafter = tiny
+    lines = []
+    result = _demo_module().run_demo(target, tokenizer, drafter, PROMPTS, max_new_tokens=8, log=lines.append)
+    assert result["identical"] is True
+    assert len(result["acceptance_conditional"]) == drafter.num_draft_tokens
+    assert sum("identical: yes" in line for line in lines) == len(PROMPTS)
+
+
+@pytest.mark.skipif(not (SHIPPED / "config.json").is_file(), reason="no shipped drafter in examples/smollm2-dspark")
+def test_shipped_drafter_loads_with_automodel_and_is_lossless_in_fp32(smollm2):
+    from transformers import AutoModel
+
+    from dspark_hf.evaluation import encode_prompt, held_out_prompts, timed_generate
+
+    target, tokenizer = smollm2
+    drafter = AutoModel.from_pretrained(str(SHIPPED), trust_remote_code=True, dtype=torch.float32).eval()
+    assert drafter.config.bind_target_embeddings
+    size = sum(f.stat().st_size for f in SHIPPED.iterdir() if f.is_file())
+    assert size <= 25 * 2**20, f"shipped drafter is {size / 2**20:.1f} MiB"
+    for messages in held_out_prompts(["chitchat"], "test", 2):
+        inputs = encode_prompt(tokenizer, messages)
+        plain, _ = timed_generate(target, inputs, 24, False)
+        spec, _ = timed_generate(target, inputs, 24, False, assistant_model=drafter)
+        assert torch.equal(plain, spec), tokenizer.decode(plain) + " vs " + tokenizer.decode(spec)
+    assert drafter.last_generation_stats.rounds > 0
