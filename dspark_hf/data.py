@@ -290,13 +290,26 @@ def tokenize_conversations(
 
 
 # ------------------------------------------------------------------------------------------------------ targets
+SMOLLM2_ALIASES = ("smollm2", "huggingfacetb/smollm2-135m-instruct")
+
+
+def load_target_model(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
+    """The target model alone (eval mode): `smollm2` is the offline SmolLM2-135M-Instruct of ASSETS.md."""
+    if name_or_path.lower() in SMOLLM2_ALIASES:
+        from .assets import load_smollm2
+
+        return load_smollm2(dtype=dtype, device=device)[0]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype)).to(device).eval()
+
+
 def load_target(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
     """(model, tokenizer) for a target: `smollm2` is the offline SmolLM2-135M-Instruct of ASSETS.md."""
-    if name_or_path.lower() in ("smollm2", "huggingfacetb/smollm2-135m-instruct"):
+    if name_or_path.lower() in SMOLLM2_ALIASES:
         from .assets import load_smollm2
 
         return load_smollm2(dtype=dtype, device=device)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype)).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(name_or_path)
+    return load_target_model(name_or_path, dtype, device), AutoTokenizer.from_pretrained(name_or_path)

@@ -331,3 +331,10 @@ def test_checkpoint_without_target_copies_binds_them_from_the_target(tmp_path):
     reloaded.bind_target(target)
     assert torch.equal(reloaded.embed_tokens.weight, target.get_input_embeddings().weight)
     assert torch.equal(reloaded.lm_head.weight, target.lm_head.weight[reloaded.t2d])
+
+
+@pytest.mark.parametrize("checkpoint", sorted(p.parent.name for p in (REPO_ROOT / "examples").glob("*/config.json")))
+def test_shipped_checkpoints_carry_the_current_remote_code(checkpoint):
+    """A shipped drafter loads with its own copy of the code: it must be the code in this repository."""
+    for name in ("configuration_dspark.py", "modeling_dspark.py"):
+        assert (REPO_ROOT / "examples" / checkpoint / name).read_bytes() == (REPO_ROOT / name).read_bytes(), name

@@ -59,10 +59,10 @@ def export(
         raise FileExistsError(f"{destination} is not empty; choose a new output directory.")
     checkpoint = read_speculators(source)
     if target is not None:
-        if isinstance(target, (str, Path)):
-            from transformers import AutoModelForCausalLM
+        if isinstance(target, (str, Path)):  # a path, a Hub id, or `smollm2` (the offline target)
+            from ..data import load_target_model
 
-            target = AutoModelForCausalLM.from_pretrained(target, dtype="auto")
+            target = load_target_model(str(target), dtype="float32")
         bind_from_target(checkpoint, target)
     if checkpoint.config.bind_target_embeddings:
         raise ValueError(

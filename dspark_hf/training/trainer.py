@@ -249,13 +249,9 @@ def _config_from_checkpoint(directory: Path, overrides: dict[str, Any]) -> DSpar
 
 def load_target_model(name_or_path: str):
     """The target in fp32 (only its embeddings and LM head are read); `smollm2` = the offline SmolLM2 target."""
-    from transformers import AutoModelForCausalLM
+    from ..data import load_target_model
 
-    from ..data import load_target
-
-    if name_or_path.lower() in ("smollm2", "huggingfacetb/smollm2-135m-instruct"):
-        return load_target(name_or_path, dtype="float32")[0]
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+    return load_target_model(name_or_path, dtype="float32")
 
 
 def build_drafter(args: TrainingArguments, aux_layer_ids: list[int], log=print) -> DSparkForDrafting:
