@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -240,14 +238,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = benchmark(args)
-    if args.json and args.json != "-":
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    if args.json == "-":
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_report(report))
+    from .cli import emit_report
+
+    emit_report(benchmark(args), args.json, format_report)
     return 0
 
 

@@ -44,34 +44,13 @@ class Rollouts:
 @torch.no_grad()
 def collect_rollouts(model, cache, max_anchors: int = 256, draws: int = 8, seed: int = 0, batch_size: int = 4) -> Rollouts:
     """Run the drafter teacher-forced over `cache` and record confidence logits, 1 - TV and sampled survival."""
-    from .training.anchors import sample_batch_anchors, slot_mask
-    from .training.losses import target_probabilities, total_variation
-    from .training.trainer import IndexedCache, collate_samples
+    from .evaluation import offline_acceptance
 
     if model.confidence_head is None:
         raise ValueError("this drafter has no confidence head (enable_confidence_head=False); there is nothing to calibrate.")
-    model.eval()
     N = model.num_draft_tokens
-    dataset = IndexedCache(cache)
-    logits, accepts, masks = [], [], []
-    device = model.fc.weight.device
-    for start in range(0, len(dataset), batch_size):
-        batch = collate_samples([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
-        batch = {k: v.to(device) for k, v in batch.items()}
-        anchors, anchor_mask = sample_batch_anchors(batch["loss_mask"], batch["lengths"], batch["index"], N,
-                                                    max_anchors, seed, epoch=-1)
-        out = model(aux_hidden_states=batch["aux_hidden_states"], input_ids=batch["input_ids"],
-                    anchor_positions=anchors, attention_mask=batch["attention_mask"])
-        p = target_probabilities(batch["final_hidden_state"], out.label_positions, model.lm_head.weight)
-        tv = total_variation(torch.softmax(out.logits.float(), -1), p)  # (b, J, N)
-        mask = slot_mask(batch["loss_mask"], anchors, anchor_mask, N)
-        keep = anchor_mask.bool()
-        logits.append(out.confidence_logits.float()[keep].cpu())
-        accepts.append((1.0 - tv).clamp(0, 1)[keep].cpu())
-        masks.append(mask[keep].cpu())
-    confidence_logits, accept, slot = torch.cat(logits), torch.cat(accepts), torch.cat(masks)
-    if confidence_logits.numel() == 0:
-        raise ValueError("the calibration cache has no valid anchors (assistant tokens with a full block after them); use a larger held-out cache.")
+    blocks = offline_acceptance(model, cache, max_anchors=max_anchors, batch_size=batch_size, seed=seed)
+    confidence_logits, accept, slot = blocks["confidence_logits"], blocks["accept"], blocks["mask"]
     generator = torch.Generator().manual_seed(seed)
     accepted = torch.rand(accept.shape[0], draws, N, generator=generator) < accept[:, None, :]  # (M, R, N)
     survived = torch.cumprod((accepted & slot[:, None, :]).long(), dim=-1).bool()

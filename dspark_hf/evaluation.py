@@ -21,7 +21,6 @@ Three views of the same drafter:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -418,14 +417,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = evaluate(args)
-    if args.json and args.json != "-":
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    if args.json == "-":
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_report(report))
+    from .cli import emit_report
+
+    emit_report(evaluate(args), args.json, format_report)
     return 0
 
 
