@@ -134,7 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "rerunning the same command resumes where it stopped."
     )
     parser.add_argument("--target", required=True, help="target model path or Hub id; `smollm2` = the offline SmolLM2-135M-Instruct")
-    parser.add_argument("--input", required=True, help="JSONL (OpenAI messages or ShareGPT), or `chitchat` / `chatterbot`")
+    parser.add_argument("--input", "--dataset", dest="input", required=True,
+                        help="JSONL (OpenAI messages or ShareGPT), or `chitchat` / `chatterbot`")
     parser.add_argument("--output", required=True, help="output JSONL (appended to; ids already present are skipped)")
     parser.add_argument("--split", default="all", choices=["train", "validation", "test", "all"], help="hash split to regenerate (default: all)")
     parser.add_argument("--limit", type=int, default=None, help="regenerate only the first N conversations")
