@@ -20,10 +20,10 @@ WORK=${WORK:-build/smollm2-drafter}
 OUT_DSPARK=${OUT_DSPARK:-examples/smollm2-dspark}
 OUT_DFLASH=${OUT_DFLASH:-examples/smollm2-dflash}
 THREADS=${THREADS:-1}                 # 1 thread per job beats 2 oversubscribed ones on a shared 2-core box
-CHITCHAT_TRAIN=${CHITCHAT_TRAIN:-192} # conversations regenerated (2 user turns each)
-CHATTERBOT_TRAIN=${CHATTERBOT_TRAIN:-96}
+CHITCHAT_TRAIN=${CHITCHAT_TRAIN:-640} # conversations regenerated (2 user turns each)
+CHATTERBOT_TRAIN=${CHATTERBOT_TRAIN:-320}
 VALIDATION=${VALIDATION:-24}
-STEPS=${STEPS:-400}
+STEPS=${STEPS:-1000}
 AUX=2,15,28                            # speculators convention (HF hidden_states index) of SmolLM2's 30 layers
 MASK=16                                # <empty_output>: a special token chat never uses
 export OMP_NUM_THREADS=$THREADS HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -58,12 +58,16 @@ train() {  # $1 = output dir, rest = head options
   [ -d "$out/checkpoints" ] && [ -n "$(ls -A "$out/checkpoints" 2>/dev/null)" ] && resume=(--resume)
   $CLI train "${TRAIN_COMMON[@]}" --output-dir "$out" "${resume[@]}" "$@"
 }
-stage "4/8 train DSpark (1 layer, Markov rank 64 vanilla, confidence head, $STEPS steps)"
+stage "4-5/8 train DSpark (1 layer, Markov rank 64 vanilla, confidence head) and the DFlash-only baseline (heads off),
+$STEPS steps each, side by side (one core each; logs in $WORK/train-*.log)"
 train "$WORK/train-dspark" --markov-rank 64 --markov-head-type vanilla \
-  --drafter-config bind_target_embeddings=true intermediate_size=1024
-stage "5/8 train the DFlash-only baseline (heads off, same budget)"
+  --drafter-config bind_target_embeddings=true intermediate_size=1024 > "$WORK/train-dspark.log" 2>&1 &
+dspark_job=$!
 train "$WORK/train-dflash" --markov-rank 0 --no-confidence-head \
-  --drafter-config bind_target_embeddings=true intermediate_size=1024
+  --drafter-config bind_target_embeddings=true intermediate_size=1024 > "$WORK/train-dflash.log" 2>&1 &
+dflash_job=$!
+wait "$dspark_job"  # set -e: a failed training stops the script here
+wait "$dflash_job"
 
 stage "6/8 calibrate the confidence head (STS on the validation cache)"
 [ -d "$WORK/dspark-calibrated" ] || $CLI calibrate --model "$WORK/train-dspark/drafter" --cache "$WORK/cache-validation" \
