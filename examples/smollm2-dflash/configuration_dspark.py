@@ -93,7 +93,6 @@ class DSparkConfig(PreTrainedConfig):
     """
 
     model_type = "dspark"
-    keys_to_ignore_at_inference = ["cache"]
 
     # Draft transformer geometry (None = take it from `transformer_layer_config` or the defaults).
     hidden_size: int | None = None
