@@ -754,10 +754,15 @@ def _sampling_warpers(temperature: float, top_k: int | None, top_p: float | None
     return warpers
 
 
+def expected_tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint layout and its shape, from the model itself (built on the meta device)."""
+    with torch.device("meta"):
+        return {name: tuple(t.shape) for name, t in DSparkForDrafting(config).state_dict().items()}
+
+
 def check_checkpoint_shapes(directory: str, config: DSparkConfig):
     """Refuse, in one line, a checkpoint whose tensor shapes disagree with its config (names the first mismatch)."""
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in DSparkForDrafting(config).state_dict().items()}
+    expected = expected_tensor_shapes(config)
     for file in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
         with safe_open(file, framework="pt") as checkpoint:
             for name in checkpoint.keys():
@@ -1037,5 +1042,6 @@ __all__ = [
     "DSparkGenerationStats",
     "DSparkPreTrainedModel",
     "DSparkTrainingOutput",
+    "expected_tensor_shapes",
     "install_dspark_routing",
 ]

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from ..remote_code.configuration_dspark import DSparkConfig
-from ..remote_code.modeling_dspark import DSparkForDrafting
+from ..remote_code.modeling_dspark import DSparkForDrafting, expected_tensor_shapes
 
 BOUND_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 VOCAB_MAPS = ("d2t", "t2d")
@@ -139,20 +139,13 @@ def reject_sliding_layers(config: dict[str, Any], what: str):
 # Checking tensors against the config
 
 
-def expected_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the layout and its shape, taken from the model itself (built on the meta device, no memory)."""
-    with torch.device("meta"):
-        model = DSparkForDrafting(config)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-
-
 def _hint(name: str) -> str:
     return next((hint for pattern, hint in _SHAPE_HINTS if re.search(pattern, name)), "see DESIGN §3")
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], config: DSparkConfig, what: str):
     """One clear error for an unknown, missing or wrong-shaped tensor (DESIGN §9), before anything is written."""
-    expected = expected_shapes(config)
+    expected = expected_tensor_shapes(config)
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
         raise ValueError(
@@ -358,7 +351,6 @@ __all__ = [
     "BOUND_TENSORS",
     "DraftCheckpoint",
     "check_tensors",
-    "expected_shapes",
     "full_vocab_maps",
     "infer_heads",
     "load_tensors",
