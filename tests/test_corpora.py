@@ -1,0 +1,51 @@
+"""The multi-domain prompt corpora: real text that installs offline, stable ids, deterministic splits."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_hf import corpora
+from dspark_hf.data import load_conversations, split_conversations
+
+
+def _has_wordnet() -> bool:
+    return (corpora.WORDNET_DIR / "index.noun").is_file()
+
+
+@pytest.mark.skipif(not _has_wordnet(), reason=corpora.WORDNET_HINT)
+def test_wordnet_prompts_are_questions_about_common_words():
+    nouns, verbs = load_conversations("wordnet-nouns"), load_conversations("wordnet-verbs")
+    assert len(nouns) > 1000 and len(verbs) > 1000
+    ids = [c["id"] for c in nouns + verbs]
+    assert len(set(ids)) == len(ids)
+    words = {c["id"].split("/", 1)[1] for c in nouns}
+    assert {"water", "house", "government"} <= words
+    prompt = next(c for c in nouns if c["id"] == "wordnet-nouns/water")["messages"][0]["content"]
+    assert "water" in prompt and prompt.endswith(("?", "."))
+    assert load_conversations("wordnet-nouns") == nouns  # same corpus on every call
+
+
+def test_stdlib_prompts_show_real_functions():
+    explain, write = corpora.stdlib_explain_prompts(), corpora.stdlib_write_prompts()
+    assert len(explain) == len(write) > 1000
+    sample = next(c for c in explain if c["id"] == "stdlib-explain/textwrap.indent")["messages"][0]["content"]
+    assert "def indent(text, prefix, predicate=None):" in sample and "```python" in sample
+    assert all(not c["id"].split("/", 1)[1].startswith(("test.", "idlelib.")) for c in explain)
+    method = next(c for c in explain if c["id"] == "stdlib-explain/textwrap.TextWrapper.wrap")["messages"][0]["content"]
+    assert method.split("```python\n", 1)[1].startswith("def wrap(self, text):"), "methods read as plain functions"
+    write_one = next(c for c in write if c["id"] == "stdlib-write/textwrap.indent")["messages"][0]["content"]
+    assert write_one.startswith("Write a Python function `indent(text, prefix, predicate=None)`: Adds 'prefix' to the beginning")
+
+
+def test_humaneval_is_held_out_code():
+    prompts = corpora.humaneval_prompts()
+    assert len(prompts) == 164 and prompts[0]["id"] == "humaneval/HumanEval/0"
+    assert "def has_close_elements" in prompts[0]["messages"][0]["content"]
+
+
+def test_long_conversations_do_not_share_ids_with_chat():
+    long = load_conversations("chitchat-long")
+    assert all(sum(m["role"] == "user" for m in c["messages"]) >= 6 for c in long)
+    chat_ids = {c["id"].split("/", 1)[1] for c in load_conversations("chitchat")[:1200]}
+    first = {c["id"].split("/", 1)[1] for c in split_conversations(long)["train"][:250]}
+    assert not chat_ids & first, "the long-conversation domain reads the corpus from the other end"
