@@ -448,14 +448,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .data import check_dataset, load_conversations, load_target, split_conversations
+    from .data import check_dataset, load_conversations, load_target, select_conversations
 
     conversations = load_conversations(args.dataset)
     check_dataset(conversations, str(args.dataset))
-    if args.split != "all":
-        conversations = split_conversations(conversations)[args.split]
-    if args.limit is not None:
-        conversations = conversations[: args.limit]
+    conversations = select_conversations(conversations, args.dataset, args.split, args.limit)
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     model, tokenizer = load_target(args.target, dtype=args.target_dtype, device=args.device)
     manifest = build_cache(

@@ -208,6 +208,24 @@ def split_conversations(
     return out
 
 
+def select_conversations(conversations: list[Conversation], source: str | os.PathLike, split: str = "all",
+                         limit: int | None = None) -> list[Conversation]:
+    """The conversations of one hash split of `source` (or all of them), the first `limit`; refuses an empty result
+    with the split that was empty and the flags that fix it."""
+    chosen = conversations if split == "all" else split_conversations(conversations)[split]
+    if limit is not None:
+        chosen = chosen[: max(limit, 0)]
+    if chosen:
+        return chosen
+    if limit is not None and limit <= 0:
+        raise ValueError(f"--limit {limit} selects no conversations of {source}; pass --limit 1 or more")
+    check_dataset(conversations, str(source), need_assistant=False)
+    raise ValueError(
+        f"the {split!r} split of {source} is empty ({len(conversations)} conversations, none hashed to {split}); "
+        "pass --split all (a regenerated file is already split) or another --split"
+    )
+
+
 # --------------------------------------------------------------------------------------- chat template, loss mask
 def check_chat_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):

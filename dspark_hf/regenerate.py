@@ -285,14 +285,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .data import check_dataset, load_conversations, load_target, split_conversations
+    from .data import check_dataset, load_conversations, load_target, select_conversations
 
     conversations = load_conversations(args.input)
     check_dataset(conversations, str(args.input), need_assistant=False)
-    if args.split != "all":
-        conversations = split_conversations(conversations)[args.split]
-    if args.limit is not None:
-        conversations = conversations[: args.limit]
+    conversations = select_conversations(conversations, args.input, args.split, args.limit)
     if args.max_turns is not None:
         conversations = [_first_user_turns(c, args.max_turns) for c in conversations]
     model, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
