@@ -437,7 +437,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated aux layer ids, speculators convention (0 = embeddings, k = output of decoder layer "
         "k-1); default: low/middle/high with the Kimi-K2.6 DSpark spacing",
     )
-    parser.add_argument("--split", default="train", choices=["train", "validation", "test", "all"], help="hash split to cache (default: train)")
+    parser.add_argument("--split", default="all", choices=["train", "validation", "test", "all"],
+                        help="hash split to cache (default: all; a regenerated file is already split)")
     parser.add_argument("--limit", type=int, default=None, help="cache only the first N conversations of the split")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="storage dtype of hidden states (default: bfloat16)")
     parser.add_argument("--target-dtype", default="float32", choices=list(DTYPES), help="dtype the target runs in (default: float32)")

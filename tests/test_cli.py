@@ -38,6 +38,14 @@ def _write(path: Path, records: list[dict]) -> Path:
     return path
 
 
+def test_cache_takes_a_regenerated_validation_file_whole_by_default(tiny_dir, tmp_path, capsys):
+    data = _write(tmp_path / "validation.jsonl", _records_of_split("validation", 3))
+    rc = cli.main(["cache", "--target", str(tiny_dir), "--dataset", str(data), "--output", str(tmp_path / "cache"),
+                   "--aux-layers", "1,2", "--dtype", "float32"])
+    assert rc == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "cache" / "manifest.json").read_text())["num_samples"] == 3
+
+
 def test_an_empty_split_names_the_split_and_the_flags(tiny_dir, tmp_path, capsys):
     data = _write(tmp_path / "train.jsonl", _records_of_split("train", 3))
     for command in (["regenerate", "--input", str(data)], ["cache", "--dataset", str(data)]):
