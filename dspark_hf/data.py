@@ -311,23 +311,56 @@ def tokenize_conversations(
 SMOLLM2_ALIASES = ("smollm2", "huggingfacetb/smollm2-135m-instruct")
 
 
+def _target_location(name_or_path: str) -> str:
+    """A local directory or a Hub id that is cached (or reachable); else one clear
+    error instead of transformers' connection traceback or "Repo id must be in the form ..."."""
+    from huggingface_hub import is_offline_mode, model_info, try_to_load_from_cache
+    from huggingface_hub.utils import validate_repo_id
+
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target {name_or_path} is a directory without config.json; pass a model directory saved with save_pretrained or a Hub id")
+        return str(path)
+    try:
+        validate_repo_id(name_or_path)
+    except ValueError:
+        raise FileNotFoundError(f"target {name_or_path} does not exist; pass a model directory, a Hub id (org/name) or `smollm2`") from None
+    if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+        return name_or_path
+    hint = f"download it first (`hf download {name_or_path}`) or pass a local model directory"
+    if is_offline_mode():
+        raise FileNotFoundError(f"target {name_or_path} is neither a local directory nor in the Hugging Face cache (HF_HUB_OFFLINE is set); {hint}")
+    try:
+        model_info(name_or_path)  # one request, no retry storm
+    except Exception as error:  # not found, gated, or no network: all end the same way for the user
+        raise FileNotFoundError(f"target {name_or_path} is not a local directory, not in the Hugging Face cache and not reachable on the Hub ({type(error).__name__}); {hint}") from None
+    return name_or_path
+
+
+def _load_model(name_or_path: str, location: str, dtype: str, device: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, dtype)).to(device).eval()
+    return model
+
+
 def load_target_model(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
     """The target model alone (eval mode): `smollm2` is the offline SmolLM2-135M-Instruct of ASSETS.md."""
     if name_or_path.lower() in SMOLLM2_ALIASES:
         from .assets import load_smollm2
 
         return load_smollm2(dtype=dtype, device=device)[0]
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype)).to(device).eval()
+    return _load_model(name_or_path, _target_location(name_or_path), dtype, device)
 
 
 def load_target(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer) for a target: `smollm2` is the offline SmolLM2-135M-Instruct of ASSETS.md."""
+    """(model, tokenizer) for a target, resolved as `load_target_model` does."""
     if name_or_path.lower() in SMOLLM2_ALIASES:
         from .assets import load_smollm2
 
         return load_smollm2(dtype=dtype, device=device)
     from transformers import AutoTokenizer
 
-    return load_target_model(name_or_path, dtype, device), AutoTokenizer.from_pretrained(name_or_path)
+    location = _target_location(name_or_path)
+    return _load_model(name_or_path, location, dtype, device), AutoTokenizer.from_pretrained(location)

@@ -43,12 +43,15 @@ def _read_done(path: Path) -> set[str]:
     return done
 
 
-def _append_line(fd: int, conversation: dict) -> None:
+def _append_line(fd: int, conversation: dict, path: Path) -> None:
     line = (json.dumps({"id": conversation["id"], "messages": conversation["messages"]}, ensure_ascii=False) + "\n").encode()
     written = 0
-    while written < len(line):
-        written += os.write(fd, line[written:])
-    os.fsync(fd)
+    try:
+        while written < len(line):
+            written += os.write(fd, line[written:])
+        os.fsync(fd)
+    except OSError as error:  # a full disk: name the file (a raw fd error names none)
+        raise OSError(error.errno, error.strerror, str(path)) from error
 
 
 class Dialogue:
@@ -246,7 +249,7 @@ def regenerate_conversations(model, tokenizer, conversations: list[dict], output
                 bar.update(len(active))
                 bar.set_postfix_str(f"{throughput.rate:.1f} tok/s", refresh=False)
             for dialogue in dialogues:
-                _append_line(fd, {"id": dialogue.id, "messages": dialogue.messages})
+                _append_line(fd, {"id": dialogue.id, "messages": dialogue.messages}, output)
                 written += 1
     finally:
         bar.close()
@@ -282,6 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "conversation's KV cache is reused across its turns)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype (default: float32)")
     parser.add_argument("--device", default="cpu", help="device of the target (default: cpu)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar and no tokens/s line")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -296,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     written = regenerate_conversations(
         model, tokenizer, conversations, args.output, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
-        max_length=args.max_length,
+        max_length=args.max_length, progress=not args.no_progress,
     )
     print(f"regenerate: wrote {written} conversations ({len(conversations) - written} already done) -> {args.output}")
     return 0

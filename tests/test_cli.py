@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import transformers
 from conftest import make_tiny_target
 
 from dspark_hf import cli
@@ -55,3 +58,77 @@ def test_an_empty_split_names_the_split_and_the_flags(tiny_dir, tmp_path, capsys
         assert f"the 'validation' split of {data} is empty" in err and "--split all" in err
     rc = cli.main(["regenerate", "--input", str(data), "--target", str(tiny_dir), "--output", str(tmp_path / "o.jsonl"), "--limit", "0"])
     assert rc == 1 and "--limit 0 selects no conversations" in capsys.readouterr().err
+
+
+def _cli(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """`dspark-hf ARGS` in a fresh process (this checkout first on the path, offline, no progress bars)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "DSPARK_HF_DEBUG": "", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "dspark_hf.cli", *args], env=env, capture_output=True, text=True, **kwargs)
+
+
+def _one_line(result: subprocess.CompletedProcess, *expected: str) -> str:
+    err = result.stderr.strip()
+    assert result.returncode != 0 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert all(e in err for e in expected), err
+    return err
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    return _write(tmp_path_factory.mktemp("prompts") / "prompts.jsonl",
+                  [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Say something about {i}."}]} for i in range(40)])
+
+
+def test_a_target_neither_on_disk_nor_cached_is_one_line_and_debug_shows_the_traceback(prompts, tmp_path):
+    args = ("regenerate", "--target", "no-such-org/no-such-model", "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"))
+    _one_line(_cli(*args), "dspark-hf regenerate: error: target no-such-org/no-such-model", "Hugging Face cache",
+              "hf download no-such-org/no-such-model")
+    debug = _cli(*args, "--debug")
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "hf download" in debug.stderr
+
+
+def test_bad_targets_and_outputs_are_one_line_in_process(tiny_dir, prompts, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(transformers.utils.logging, "_tqdm_active", False)  # no "Loading weights" bar
+
+    def fails(*args: str) -> str:
+        assert cli.main(list(args)) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        return err
+
+    out = ("--output", str(tmp_path / "o.jsonl"))
+    assert "target ./missing/target does not exist; pass a model directory" in fails(
+        "regenerate", "--target", "./missing/target", "--input", str(prompts), *out)
+    assert "is a directory without config.json" in fails("regenerate", "--target", str(tmp_path), "--input", str(prompts), *out)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    data = _write(tmp_path / "d.jsonl", _records_of_split("train", 1))
+    assert "a file stands where a directory is needed; pass another --output" in fails(
+        "cache", "--target", str(tiny_dir), "--dataset", str(data), "--output", str(blocker / "cache"), "--aux-layers", "1,2")
+    monkeypatch.setenv("DSPARK_HF_DEBUG", "1")  # the environment variable shows the traceback too
+    with pytest.raises(FileNotFoundError, match="missing/target does not exist"):
+        cli.main(["regenerate", "--target", "./missing/target", "--input", str(prompts), *out])
+
+
+def test_a_full_disk_is_one_line(tiny_dir, prompts):
+    result = _cli("regenerate", "--target", str(tiny_dir), "--input", str(prompts), "--limit", "1", "--output", "/dev/full",
+                  "--max-new-tokens", "2", "--no-progress")
+    _one_line(result, "dspark-hf regenerate: error: No space left on device: /dev/full; free some disk space")
+
+
+def test_ctrl_c_is_one_line_that_says_how_to_resume(tiny_dir, prompts, tmp_path):
+    out = tmp_path / "o.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "DSPARK_HF_DEBUG": ""}
+    process = subprocess.Popen([sys.executable, "-m", "dspark_hf.cli", "regenerate", "--target", str(tiny_dir), "--input",
+                                str(prompts), "--output", str(out), "--max-new-tokens", "64", "--batch-size", "1",
+                                "--no-progress"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.is_file() and out.read_bytes().count(b"\n") >= 1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "dspark-hf regenerate: interrupted; rerun the same command to resume where it stopped" in err
+    assert 1 <= len(read_jsonl(out)) < 40  # whole lines only
