@@ -312,23 +312,29 @@ SMOLLM2_ALIASES = ("smollm2", "huggingfacetb/smollm2-135m-instruct")
 
 
 def _target_location(name_or_path: str) -> str:
-    """A local directory or a Hub id that is cached (or reachable); else one clear
+    """A local directory, a dense copy of a `.gguf` file, or a Hub id that is cached (or reachable); else one clear
     error instead of transformers' connection traceback or "Repo id must be in the form ..."."""
     from huggingface_hub import is_offline_mode, model_info, try_to_load_from_cache
     from huggingface_hub.utils import validate_repo_id
 
     path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"target GGUF file {name_or_path} does not exist; pass an existing .gguf file")
+        from .assets import dense_copy_of_gguf
+
+        return str(dense_copy_of_gguf(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"target {name_or_path} is a directory without config.json; pass a model directory saved with save_pretrained or a Hub id")
+            raise FileNotFoundError(f"target {name_or_path} is a directory without config.json; pass a model directory saved with save_pretrained, a .gguf file or a Hub id")
         return str(path)
     try:
         validate_repo_id(name_or_path)
     except ValueError:
-        raise FileNotFoundError(f"target {name_or_path} does not exist; pass a model directory, a Hub id (org/name) or `smollm2`") from None
+        raise FileNotFoundError(f"target {name_or_path} does not exist; pass a model directory, a .gguf file, a Hub id (org/name) or `smollm2`") from None
     if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
         return name_or_path
-    hint = f"download it first (`hf download {name_or_path}`) or pass a local model directory"
+    hint = f"download it first (`hf download {name_or_path}`) or pass a local model directory or .gguf file"
     if is_offline_mode():
         raise FileNotFoundError(f"target {name_or_path} is neither a local directory nor in the Hugging Face cache (HF_HUB_OFFLINE is set); {hint}")
     try:
@@ -342,11 +348,14 @@ def _load_model(name_or_path: str, location: str, dtype: str, device: str):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, dtype)).to(device).eval()
+    if name_or_path.endswith(".gguf"):  # record the file the user named, not the cache's dense copy
+        model.name_or_path = str(Path(name_or_path).expanduser().resolve())
     return model
 
 
 def load_target_model(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
-    """The target model alone (eval mode): `smollm2` is the offline SmolLM2-135M-Instruct of ASSETS.md."""
+    """The target model alone (eval mode): `smollm2` is the offline SmolLM2-135M-Instruct of ASSETS.md; a `.gguf`
+    file is dequantized once into a cached dense copy (`assets.dense_copy_of_gguf`)."""
     if name_or_path.lower() in SMOLLM2_ALIASES:
         from .assets import load_smollm2
 
