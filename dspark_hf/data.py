@@ -311,6 +311,20 @@ def tokenize_conversations(
 SMOLLM2_ALIASES = ("smollm2", "huggingfacetb/smollm2-135m-instruct")
 
 
+def resolve_target(target: str | None, drafter_dir: str | os.PathLike) -> str:
+    """The target a drafter was trained for: `target` when given, else the verifier its config records (written by
+    `dspark-hf train` from `--target`), so `eval`/`bench` never load a model the drafter does not fit."""
+    if target:
+        return target
+    config = Path(drafter_dir) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"drafter {drafter_dir} has no config.json; pass --model a drafter directory (e.g. the output of `dspark-hf train`)")
+    recorded = json.loads(config.read_text()).get("verifier_name_or_path")
+    if not recorded:
+        raise ValueError(f"drafter {drafter_dir} does not record its target (no verifier_name_or_path in config.json); pass --target")
+    return str(recorded)
+
+
 def _target_location(name_or_path: str) -> str:
     """A local directory, a dense copy of a `.gguf` file, or a Hub id that is cached (or reachable); else one clear
     error instead of transformers' connection traceback or "Repo id must be in the form ..."."""

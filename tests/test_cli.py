@@ -132,3 +132,25 @@ def test_ctrl_c_is_one_line_that_says_how_to_resume(tiny_dir, prompts, tmp_path)
     assert process.returncode == 130 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "dspark-hf regenerate: interrupted; rerun the same command to resume where it stopped" in err
     assert 1 <= len(read_jsonl(out)) < 40  # whole lines only
+
+
+def test_eval_and_bench_take_the_target_the_drafter_records(tiny_dir, prompts, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_drafter
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    drafter = make_drafter(target, aux_hidden_state_layer_ids=[0, 1, 2])
+    drafter.config.verifier_name_or_path = str(tiny_dir)  # what `dspark-hf train --target DIR` records
+    drafter.save_pretrained(tmp_path / "drafter")
+    common = ["--model", str(tmp_path / "drafter"), "--prompts", str(prompts), "--split", "all", "--num-prompts", "1",
+              "--max-new-tokens", "4", "--modes", "greedy", "--dtype", "float32"]
+    assert cli.main(["eval", *common, "--json", str(tmp_path / "eval.json")]) == 0, capsys.readouterr().err
+    assert cli.main(["bench", *common, "--methods", "plain", "assisted-lm", "dspark", "--repetitions", "1",
+                     "--assistant-layers", "1", "--json", str(tmp_path / "bench.json")]) == 0, capsys.readouterr().err
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    assert bench["assistant"].startswith(f"{tiny_dir} truncated to its first 1 of 2 layers")
+    drafter.config.verifier_name_or_path = None
+    drafter.save_pretrained(tmp_path / "anonymous")
+    assert cli.main(["eval", "--model", str(tmp_path / "anonymous"), "--num-prompts", "1"]) == 1
+    assert "does not record its target (no verifier_name_or_path in config.json); pass --target" in capsys.readouterr().err
