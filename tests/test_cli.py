@@ -60,11 +60,15 @@ def test_an_empty_split_names_the_split_and_the_flags(tiny_dir, tmp_path, capsys
     assert rc == 1 and "--limit 0 selects no conversations" in capsys.readouterr().err
 
 
-def _cli(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
-    """`dspark-hf ARGS` in a fresh process (this checkout first on the path, offline, no progress bars)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "DSPARK_HF_DEBUG": "", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "dspark_hf.cli", *args], env=env, capture_output=True, text=True, **kwargs)
+def _env() -> dict:
+    """This checkout first on the path, offline, no progress bars, no debug."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "DSPARK_HF_DEBUG": ""}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """`dspark-hf ARGS` in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "dspark_hf.cli", *args], env=_env(), capture_output=True, text=True)
 
 
 def _one_line(result: subprocess.CompletedProcess, *expected: str) -> str:
@@ -119,11 +123,9 @@ def test_a_full_disk_is_one_line(tiny_dir, prompts):
 
 def test_ctrl_c_is_one_line_that_says_how_to_resume(tiny_dir, prompts, tmp_path):
     out = tmp_path / "o.jsonl"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "DSPARK_HF_DEBUG": ""}
     process = subprocess.Popen([sys.executable, "-m", "dspark_hf.cli", "regenerate", "--target", str(tiny_dir), "--input",
                                 str(prompts), "--output", str(out), "--max-new-tokens", "64", "--batch-size", "1",
-                                "--no-progress"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                "--no-progress"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (out.is_file() and out.read_bytes().count(b"\n") >= 1) and time.monotonic() < deadline:
         time.sleep(0.1)
