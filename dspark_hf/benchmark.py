@@ -93,12 +93,12 @@ def _method_kwargs(method: str, models: dict[str, Any], args) -> dict[str, Any]:
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    from .data import load_target
+    from .data import load_target, resolve_target
 
     set_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    target, tokenizer = load_target(args.target, dtype=args.dtype)
-    methods = [m for m in args.methods]
+    target, tokenizer = load_target(resolve_target(args.target, args.model), dtype=args.dtype)
+    methods = [m for m in args.methods if m != "dflash" or args.dflash]  # the DFlash baseline runs when given
     models: dict[str, Any] = {}
     if "assisted-lm" in methods:
         models["assistant"] = truncated_assistant(target, args.assistant_layers)
@@ -117,7 +117,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "machine": machine_description(), "dtype": args.dtype, "prompts": len(prompts), "split": args.split,
         "max_new_tokens": args.max_new_tokens, "repetitions": args.repetitions,
-        "assistant": f"SmolLM2 truncated to its first {args.assistant_layers} of {target.config.num_hidden_layers} "
+        "assistant": f"{target.name_or_path} truncated to its first {args.assistant_layers} of {target.config.num_hidden_layers} "
                      "layers + final norm + LM head (untrained), transformers' default assistant settings",
         "prompt_lookup_num_tokens": args.prompt_lookup_tokens,
         "confidence_threshold": args.confidence_threshold, "modes": {},
@@ -216,9 +216,11 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="examples/smollm2-dspark", help="DSpark drafter directory")
-    parser.add_argument("--dflash", default="examples/smollm2-dflash", help="DFlash-only baseline drafter directory")
-    parser.add_argument("--target", default="smollm2", help="target path or Hub id (default: the offline SmolLM2)")
+    parser.add_argument("--model", required=True, help="DSpark drafter directory (e.g. examples/smollm2-dspark)")
+    parser.add_argument("--dflash", default=None,
+                        help="DFlash-only baseline drafter directory (e.g. examples/smollm2-dflash); the dflash method runs only when given")
+    parser.add_argument("--target", default=None,
+                        help="target path, Hub id or .gguf file (default: the one the drafter records, verifier_name_or_path)")
     parser.add_argument("--methods", nargs="+", default=ALL_METHODS, choices=ALL_METHODS)
     parser.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=["greedy", "sample"],
                         help="decoding modes (sample = T=1)")

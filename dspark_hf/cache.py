@@ -437,7 +437,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated aux layer ids, speculators convention (0 = embeddings, k = output of decoder layer "
         "k-1); default: low/middle/high with the Kimi-K2.6 DSpark spacing",
     )
-    parser.add_argument("--split", default="train", choices=["train", "validation", "test", "all"], help="hash split to cache (default: train)")
+    parser.add_argument("--split", default="all", choices=["train", "validation", "test", "all"],
+                        help="hash split to cache (default: all; a regenerated file is already split)")
     parser.add_argument("--limit", type=int, default=None, help="cache only the first N conversations of the split")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="storage dtype of hidden states (default: bfloat16)")
     parser.add_argument("--target-dtype", default="float32", choices=list(DTYPES), help="dtype the target runs in (default: float32)")
@@ -448,14 +449,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .data import check_dataset, load_conversations, load_target, split_conversations
+    from .data import check_dataset, load_conversations, load_target, select_conversations
 
     conversations = load_conversations(args.dataset)
     check_dataset(conversations, str(args.dataset))
-    if args.split != "all":
-        conversations = split_conversations(conversations)[args.split]
-    if args.limit is not None:
-        conversations = conversations[: args.limit]
+    conversations = select_conversations(conversations, args.dataset, args.split, args.limit)
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     model, tokenizer = load_target(args.target, dtype=args.target_dtype, device=args.device)
     manifest = build_cache(

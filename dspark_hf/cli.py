@@ -7,8 +7,10 @@ subcommand runs, so `dspark-hf --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,12 +36,46 @@ def emit_report(report: dict, json_target: str | None, format_report) -> None:
     print(json.dumps(report, indent=2) if json_target == "-" else format_report(report))
 
 
+DEBUG_ENV = "DSPARK_HF_DEBUG"
+DEBUG_HELP = f"show the full traceback of an error (or set {DEBUG_ENV}=1)"
+# How to go on after Ctrl-C, per command (default: start again).
+RESUME_HINTS = {
+    "regenerate": "rerun the same command to resume where it stopped (finished conversations are kept)",
+    "cache": "rerun the same command to resume where it stopped (finished shards are kept)",
+    "train": "rerun the same command with --resume to continue from the last checkpoint",
+}
+# What to do about the OSErrors users hit while writing results.
+OS_ERROR_FIXES = {
+    errno.ENOSPC: "free some disk space or pass an --output on another disk",
+    errno.EDQUOT: "free some disk space or pass an --output on another disk",
+    errno.EROFS: "the disk is read-only; pass an --output on a writable disk",
+    errno.EACCES: "pass an --output you may write to",
+    errno.EPERM: "pass an --output you may write to",
+    errno.ENOTDIR: "a file stands where a directory is needed; pass another --output",
+    errno.EISDIR: "a directory stands where a file is needed; pass another path",
+    errno.EEXIST: "a file stands where a directory is needed; pass another --output",
+}
+
+
+def describe_os_error(error: OSError) -> str:
+    """One line for an OSError: what failed, on which path, and the fix when we know it (ours carry only a message)."""
+    if error.errno is None:
+        return str(error)
+    what = error.strerror or str(error)
+    where = f": {error.filename}" if error.filename else ""
+    fix = OS_ERROR_FIXES.get(error.errno)
+    return f"{what}{where}" + (f"; {fix}" if fix else "")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="dspark-hf", description="DSpark speculative-decoding drafters for transformers.")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     children = {}
     for name, (_, help_text) in COMMANDS.items():
         children[name] = subparsers.add_parser(name, help=help_text, description=help_text)
+        # SUPPRESS: the subcommand must not reset a `--debug` given before it
+        children[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser, children
 
 
@@ -61,11 +97,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module.add_arguments(children[command])
     args = parser.parse_args(argv)
+    if args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        return int(module.run(args) or 0)  # errors raise with their traceback
     try:
         return int(module.run(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
+    except KeyboardInterrupt:
+        print(f"dspark-hf {command}: interrupted; {RESUME_HINTS.get(command, 'rerun the same command to start again')}", file=sys.stderr)
+        return 130
+    except ValueError as error:
         # Bad input: one clear line naming the problem and the fix, no traceback.
         print(f"dspark-hf {command}: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # our own FileNotFoundError messages, or a full/read-only disk, a file for a directory...
+        print(f"dspark-hf {command}: error: {describe_os_error(error)}", file=sys.stderr)
         return 1
 
 

@@ -212,6 +212,24 @@ def split_conversations(
     return out
 
 
+def select_conversations(conversations: list[Conversation], source: str | os.PathLike, split: str = "all",
+                         limit: int | None = None) -> list[Conversation]:
+    """The conversations of one hash split of `source` (or all of them), the first `limit`; refuses an empty result
+    with the split that was empty and the flags that fix it."""
+    chosen = conversations if split == "all" else split_conversations(conversations)[split]
+    if limit is not None:
+        chosen = chosen[: max(limit, 0)]
+    if chosen:
+        return chosen
+    if limit is not None and limit <= 0:
+        raise ValueError(f"--limit {limit} selects no conversations of {source}; pass --limit 1 or more")
+    check_dataset(conversations, str(source), need_assistant=False)
+    raise ValueError(
+        f"the {split!r} split of {source} is empty ({len(conversations)} conversations, none hashed to {split}); "
+        "pass --split all (a regenerated file is already split) or another --split"
+    )
+
+
 # --------------------------------------------------------------------------------------- chat template, loss mask
 def check_chat_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
@@ -297,23 +315,79 @@ def tokenize_conversations(
 SMOLLM2_ALIASES = ("smollm2", "huggingfacetb/smollm2-135m-instruct")
 
 
+def resolve_target(target: str | None, drafter_dir: str | os.PathLike) -> str:
+    """The target a drafter was trained for: `target` when given, else the verifier its config records (written by
+    `dspark-hf train` from `--target`), so `eval`/`bench` never load a model the drafter does not fit."""
+    if target:
+        return target
+    config = Path(drafter_dir) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"drafter {drafter_dir} has no config.json; pass --model a drafter directory (e.g. the output of `dspark-hf train`)")
+    recorded = json.loads(config.read_text()).get("verifier_name_or_path")
+    if not recorded:
+        raise ValueError(f"drafter {drafter_dir} does not record its target (no verifier_name_or_path in config.json); pass --target")
+    return str(recorded)
+
+
+def _target_location(name_or_path: str) -> str:
+    """A local directory, a dense copy of a `.gguf` file, or a Hub id that is cached (or reachable); else one clear
+    error instead of transformers' connection traceback or "Repo id must be in the form ..."."""
+    from huggingface_hub import is_offline_mode, model_info, try_to_load_from_cache
+    from huggingface_hub.utils import validate_repo_id
+
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"target GGUF file {name_or_path} does not exist; pass an existing .gguf file")
+        from .assets import dense_copy_of_gguf
+
+        return str(dense_copy_of_gguf(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target {name_or_path} is a directory without config.json; pass a model directory saved with save_pretrained, a .gguf file or a Hub id")
+        return str(path)
+    try:
+        validate_repo_id(name_or_path)
+    except ValueError:
+        raise FileNotFoundError(f"target {name_or_path} does not exist; pass a model directory, a .gguf file, a Hub id (org/name) or `smollm2`") from None
+    if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+        return name_or_path
+    hint = f"download it first (`hf download {name_or_path}`) or pass a local model directory or .gguf file"
+    if is_offline_mode():
+        raise FileNotFoundError(f"target {name_or_path} is neither a local directory nor in the Hugging Face cache (HF_HUB_OFFLINE is set); {hint}")
+    try:
+        model_info(name_or_path)  # one request, no retry storm
+    except Exception as error:  # not found, gated, or no network: all end the same way for the user
+        raise FileNotFoundError(f"target {name_or_path} is not a local directory, not in the Hugging Face cache and not reachable on the Hub ({type(error).__name__}); {hint}") from None
+    return name_or_path
+
+
+def _load_model(name_or_path: str, location: str, dtype: str, device: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, dtype)).to(device).eval()
+    if name_or_path.endswith(".gguf"):  # record the file the user named, not the cache's dense copy
+        model.name_or_path = str(Path(name_or_path).expanduser().resolve())
+    return model
+
+
 def load_target_model(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
-    """The target model alone (eval mode): `smollm2` is the offline SmolLM2-135M-Instruct of ASSETS.md."""
+    """The target model alone (eval mode): `smollm2` is the offline SmolLM2-135M-Instruct of ASSETS.md; a `.gguf`
+    file is dequantized once into a cached dense copy (`assets.dense_copy_of_gguf`)."""
     if name_or_path.lower() in SMOLLM2_ALIASES:
         from .assets import load_smollm2
 
         return load_smollm2(dtype=dtype, device=device)[0]
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype)).to(device).eval()
+    return _load_model(name_or_path, _target_location(name_or_path), dtype, device)
 
 
 def load_target(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer) for a target: `smollm2` is the offline SmolLM2-135M-Instruct of ASSETS.md."""
+    """(model, tokenizer) for a target, resolved as `load_target_model` does."""
     if name_or_path.lower() in SMOLLM2_ALIASES:
         from .assets import load_smollm2
 
         return load_smollm2(dtype=dtype, device=device)
     from transformers import AutoTokenizer
 
-    return load_target_model(name_or_path, dtype, device), AutoTokenizer.from_pretrained(name_or_path)
+    location = _target_location(name_or_path)
+    return _load_model(name_or_path, location, dtype, device), AutoTokenizer.from_pretrained(location)

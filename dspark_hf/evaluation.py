@@ -347,8 +347,9 @@ def load_drafter(path: str, target=None, dtype: torch.dtype = torch.float32):
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
-    from .data import load_target
+    from .data import load_target, resolve_target
 
+    args.target = resolve_target(args.target, args.model)
     set_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     report: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "machine": machine_description(), "plots": {}}
@@ -395,7 +396,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="drafter checkpoint directory")
-    parser.add_argument("--target", default="smollm2", help="target path or Hub id (default: the offline SmolLM2)")
+    parser.add_argument("--target", default=None,
+                        help="target path, Hub id or .gguf file (default: the one the drafter records, verifier_name_or_path)")
     parser.add_argument("--cache", help="held-out hidden-state cache for offline τ, acceptance and calibration")
     parser.add_argument("--max-anchors", type=int, default=10_000, help="offline: blocks per sample (default: all)")
     parser.add_argument("--max-samples", type=int, default=None, help="offline: only the first N cache samples")

@@ -3,7 +3,8 @@
 A drafter is judged by how often the target accepts its guesses, so it should learn the target's own answers, not a
 human's or another model's (this matters more for τ than anything else). We keep the user (and system) turns, and
 turn by turn let the target answer with its chat template and the given sampling settings, with plain transformers
-`generate`, batched with left padding.
+`generate`: batched with left padding for short chats, one conversation at a time with its KV cache kept across turns
+for long multi-turn data. The history sent to the target is bounded by a token budget (oldest turns dropped first).
 
 Resumable: each finished conversation is appended to the output JSONL as one whole line (one `write` + fsync); on
 restart the ids already written are skipped, and a partial last line left by a kill is cut off, never counted.
@@ -15,6 +16,7 @@ import argparse
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -41,40 +43,167 @@ def _read_done(path: Path) -> set[str]:
     return done
 
 
-def _append_line(fd: int, conversation: dict) -> None:
+def _append_line(fd: int, conversation: dict, path: Path) -> None:
     line = (json.dumps({"id": conversation["id"], "messages": conversation["messages"]}, ensure_ascii=False) + "\n").encode()
     written = 0
-    while written < len(line):
-        written += os.write(fd, line[written:])
-    os.fsync(fd)
+    try:
+        while written < len(line):
+            written += os.write(fd, line[written:])
+        os.fsync(fd)
+    except OSError as error:  # a full disk: name the file (a raw fd error names none)
+        raise OSError(error.errno, error.strerror, str(path)) from error
+
+
+class Dialogue:
+    """One conversation being rewritten: the system/user turns to replay, the messages written so far, where the prompt
+    window starts, and (when generated alone) the target's KV cache of the last prompt and reply."""
+
+    def __init__(self, conversation: dict):
+        self.id = conversation["id"]
+        self.source = [m for m in conversation["messages"] if m["role"] != "assistant"]
+        self.head = next((i for i, m in enumerate(self.source) if m["role"] != "system"), len(self.source))
+        self.messages: list[dict] = []
+        self.cursor = 0
+        self.window = self.head  # index of the oldest non-system message still sent to the target
+        self.cache = None
+        self.cached_ids: list[int] = []
+
+    def next_user_turn(self) -> bool:
+        """Append the turns up to and including the next user turn; False when none is left."""
+        while self.cursor < len(self.source):
+            message = self.source[self.cursor]
+            self.messages.append(message)
+            self.cursor += 1
+            if message["role"] == "user":
+                return True
+        return False
+
+    def prompt_ids(self, tokenizer, budget: int | None) -> list[int]:
+        """Chat-template ids of the prompt for the next reply, at most `budget` tokens.
+
+        The leading system turns are always kept. When the rest outgrows the budget, the oldest turns are dropped
+        (from a user turn on, so the history still starts with one) until it fills at most half the budget: the window
+        then stays put for several turns, and so does a cached prefix, instead of sliding every turn. A single user
+        turn longer than the budget keeps its last `budget` tokens.
+        """
+        ids = self._encode(tokenizer, self.window)
+        if budget is None or len(ids) <= budget:
+            return ids
+        starts = [i for i in range(self.window + 1, len(self.messages)) if self.messages[i]["role"] == "user"]
+        low, high = 0, len(starts) - 1  # the first start whose prompt fits half the budget (lengths fall with i)
+        while low < high:
+            middle = (low + high) // 2
+            if len(self._encode(tokenizer, starts[middle])) <= budget // 2:
+                high = middle
+            else:
+                low = middle + 1
+        if starts:
+            self.window = starts[low]
+            ids = self._encode(tokenizer, self.window)
+        return ids[-budget:]
+
+    def _encode(self, tokenizer, start: int) -> list[int]:
+        history = self.messages[: self.head] + self.messages[start:]
+        return list(tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+
+
+class Throughput:
+    """Replies and new tokens written, and the tokens/s since the start."""
+
+    def __init__(self):
+        self.replies = self.tokens = 0
+        self.started = time.perf_counter()
+
+    def add(self, lengths: list[int]) -> None:
+        self.replies += len(lengths)
+        self.tokens += sum(lengths)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.started, 1e-9)
+
+    def __str__(self) -> str:
+        seconds = time.perf_counter() - self.started
+        return f"{self.replies} replies, {self.tokens} new tokens in {seconds:.1f} s ({self.rate:.1f} tokens/s)"
+
+
+def _sampling(max_new_tokens: int, temperature: float, top_p: float, pad_token_id: int) -> dict:
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
+    return {"max_new_tokens": max_new_tokens, "pad_token_id": pad_token_id, "top_k": None, **sampling}
+
+
+def _reply_lengths(new_tokens: torch.Tensor, stop_ids: set[int]) -> list[int]:
+    """Tokens each row generated, through the first stop token (later columns are padding)."""
+    lengths = []
+    for row in new_tokens.tolist():
+        lengths.append(next((i + 1 for i, token in enumerate(row) if token in stop_ids), len(row)))
+    return lengths
+
+
+def _stop_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return {*eos, tokenizer.pad_token_id}
 
 
 @torch.inference_mode()
-def generate_replies(model, tokenizer, histories: list[list[dict]], max_new_tokens: int = 256, temperature: float = 0.0,
-                     top_p: float = 1.0) -> list[str]:
-    """One assistant reply per history (each ends with a user turn), batched with left padding."""
-    prompts = [tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # every row must end at the same column
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    try:
-        batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    finally:
-        tokenizer.padding_side = side
+def generate_batch(model, tokenizer, prompts: list[list[int]], settings: dict) -> tuple[list[str], list[int]]:
+    """One reply per prompt (token ids), batched with left padding; (texts, tokens generated per row)."""
+    batch = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt")  # rows end together
     batch = batch.to(next(model.parameters()).device)
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
-    generated = model.generate(
-        **batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, top_k=None, **sampling
-    )  # [b, T_prompt + new]
+    generated = model.generate(**batch, **settings)  # [b, T_prompt + new]
     new_tokens = generated[:, batch["input_ids"].shape[1] :]
-    return [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+    texts = [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+    return texts, _reply_lengths(new_tokens, _stop_ids(model, tokenizer))
+
+
+@torch.inference_mode()
+def generate_with_prefix_cache(model, tokenizer, dialogue: Dialogue, prompt: list[int], settings: dict) -> tuple[str, int]:
+    """One reply for a conversation generated alone, reusing its KV cache for the prefix the new prompt shares with
+    the last prompt and reply (usually all of it but the new user turn), so a turn costs its own tokens only."""
+    from transformers import DynamicCache
+
+    keep = 0
+    for cached, token in zip(dialogue.cached_ids, prompt[:-1]):  # at least one prompt token must be fed
+        if cached != token:
+            break
+        keep += 1
+    if keep == 0 or dialogue.cache is None:
+        dialogue.cache = DynamicCache(config=model.config)
+    else:
+        dialogue.cache.crop(keep - dialogue.cache.get_seq_length())
+    input_ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    generated = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                               cache=dialogue.cache, **settings)  # [1, T_prompt + new]
+    dialogue.cached_ids = generated[0, : dialogue.cache.get_seq_length()].tolist()
+    new_tokens = generated[:, len(prompt) :]
+    text = tokenizer.decode(new_tokens[0], skip_special_tokens=True).strip()
+    return text, _reply_lengths(new_tokens, _stop_ids(model, tokenizer))[0]
+
+
+def context_length(model) -> int | None:
+    """The target's context (max_position_embeddings), the default `--max-length`."""
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None)
+
+
+def default_batch_size(conversations: list[dict]) -> int:
+    """8 conversations per generate call for short chats; 1 for multi-turn data (more than 2 user turns on average),
+    where reusing each conversation's KV cache across its turns saves far more than batching does."""
+    users = sum(m["role"] == "user" for c in conversations for m in c["messages"])
+    return 1 if users > 2 * max(len(conversations), 1) else 8
 
 
 def regenerate_conversations(model, tokenizer, conversations: list[dict], output: str | os.PathLike,
                              max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                             batch_size: int = 8, progress: bool = True) -> int:
+                             batch_size: int | None = None, progress: bool = True, max_length: int | None = None) -> int:
     """Regenerate every assistant turn of `conversations` into `output` (messages JSONL with `id`); resumes.
 
+    Each prompt is the conversation so far, bounded to `max_length - max_new_tokens` tokens (default `max_length`: the
+    target's context) by dropping the oldest turns (`Dialogue.prompt_ids`). With `batch_size` 1 a conversation's KV
+    cache is reused across its turns. Batched rows are not: left padding re-aligns every row at each turn (the rows'
+    new turns differ in length), so a row's cached keys would sit at other columns than its new prompt, and transformers
+    has no per-row cache crop; batched prompts are re-encoded, bounded by the same budget. `batch_size` None picks
+    `default_batch_size`. Progress counts replies (turns); with `progress`, the tokens/s is printed at the end.
     Returns the number of conversations written by this call.
     """
     from .data import check_chat_template, check_dataset
@@ -84,45 +213,49 @@ def regenerate_conversations(model, tokenizer, conversations: list[dict], output
     ids = [c["id"] for c in conversations]
     if len(set(ids)) != len(ids):
         raise ValueError("conversation ids are not unique, so a restart could not tell which are done; give each record a unique `id`")
+    max_length = max_length or context_length(model)
+    budget = None if max_length is None else max_length - max_new_tokens
+    if budget is not None and budget < 1:
+        raise ValueError(f"--max-length {max_length} leaves no room for the prompt after --max-new-tokens {max_new_tokens}; raise --max-length or lower --max-new-tokens")
+    batch_size = batch_size or default_batch_size(conversations)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    settings = _sampling(max_new_tokens, temperature, top_p, tokenizer.pad_token_id)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     done = _read_done(output)
     todo = [c for c in conversations if c["id"] not in done]
     model.eval()
     fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    written = 0
+    written, throughput = 0, Throughput()
+    turns = {c["id"]: sum(m["role"] == "user" for m in c["messages"]) for c in conversations}
+    bar = tqdm(total=sum(turns.values()), initial=sum(turns[i] for i in done if i in turns), unit="turn",
+               desc="regenerate", disable=not progress)
     try:
-        bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), unit="conv", desc="regenerate", disable=not progress)
         for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
+            dialogues = [Dialogue(c) for c in todo[start : start + batch_size]]
             # Seeded per batch by its first id, so a resumed run samples the same way for the same batch.
-            torch.manual_seed(int(hashlib.sha256(f"{seed}:{batch[0]['id']}".encode()).hexdigest()[:15], 16))
-            prompts = [[m for m in c["messages"] if m["role"] != "assistant"] for c in batch]  # user/system turns
-            rewritten: list[list[dict]] = [[] for _ in batch]
-            cursor = [0] * len(batch)
-            while True:  # one round per user turn: answer it for every conversation that still has one
-                active, histories = [], []
-                for row, turns in enumerate(prompts):
-                    while cursor[row] < len(turns) and turns[cursor[row]]["role"] != "user":
-                        rewritten[row].append(turns[cursor[row]])
-                        cursor[row] += 1
-                    if cursor[row] < len(turns):
-                        rewritten[row].append(turns[cursor[row]])
-                        cursor[row] += 1
-                        active.append(row)
-                        histories.append(rewritten[row])
-                if not active:
-                    break
-                replies = generate_replies(model, tokenizer, histories, max_new_tokens, temperature, top_p)
-                for row, reply in zip(active, replies):
-                    rewritten[row].append({"role": "assistant", "content": reply})
-            for conv, messages in zip(batch, rewritten):
-                _append_line(fd, {"id": conv["id"], "messages": messages})
+            torch.manual_seed(int(hashlib.sha256(f"{seed}:{dialogues[0].id}".encode()).hexdigest()[:15], 16))
+            while active := [d for d in dialogues if d.next_user_turn()]:  # one round per user turn
+                prompts = [d.prompt_ids(tokenizer, budget) for d in active]
+                if len(dialogues) == 1:
+                    reply, length = generate_with_prefix_cache(model, tokenizer, active[0], prompts[0], settings)
+                    replies, lengths = [reply], [length]
+                else:
+                    replies, lengths = generate_batch(model, tokenizer, prompts, settings)
+                for dialogue, reply in zip(active, replies):
+                    dialogue.messages.append({"role": "assistant", "content": reply})
+                throughput.add(lengths)
+                bar.update(len(active))
+                bar.set_postfix_str(f"{throughput.rate:.1f} tok/s", refresh=False)
+            for dialogue in dialogues:
+                _append_line(fd, {"id": dialogue.id, "messages": dialogue.messages}, output)
                 written += 1
-            bar.update(len(batch))
-        bar.close()
     finally:
+        bar.close()
         os.close(fd)
+    if progress:
+        print(f"regenerate: {throughput}")
     return written
 
 
@@ -144,26 +277,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (default: 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    parser.add_argument("--batch-size", type=int, default=8, help="conversations per generate call (default: 8)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="token budget of prompt + reply; older turns are dropped to fit, the system turn kept "
+                             "(default: the target's context length)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="conversations per generate call (default: 8, or 1 for multi-turn data, where each "
+                             "conversation's KV cache is reused across its turns)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype (default: float32)")
     parser.add_argument("--device", default="cpu", help="device of the target (default: cpu)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar and no tokens/s line")
 
 
 def run(args: argparse.Namespace) -> int:
-    from .data import check_dataset, load_conversations, load_target, split_conversations
+    from .data import check_dataset, load_conversations, load_target, select_conversations
 
     conversations = load_conversations(args.input)
     check_dataset(conversations, str(args.input), need_assistant=False)
-    if args.split != "all":
-        conversations = split_conversations(conversations)[args.split]
-    if args.limit is not None:
-        conversations = conversations[: args.limit]
+    conversations = select_conversations(conversations, args.input, args.split, args.limit)
     if args.max_turns is not None:
         conversations = [_first_user_turns(c, args.max_turns) for c in conversations]
     model, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     written = regenerate_conversations(
         model, tokenizer, conversations, args.output, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
+        max_length=args.max_length, progress=not args.no_progress,
     )
     print(f"regenerate: wrote {written} conversations ({len(conversations) - written} already done) -> {args.output}")
     return 0

@@ -157,3 +157,62 @@ def test_regenerate_writes_the_target_answers_and_resumes(tiny, tokenizer, tmp_p
     alone = tiny.generate(**prompt, max_new_tokens=4, do_sample=False)
     assert tokenizer.decode(alone[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True).strip() == records[0]["messages"][1]["content"]
     assert regenerate_conversations(tiny, tokenizer, convs, out, progress=False) == 0  # all done
+
+
+def _long_chat(n_turns: int, conv_id: str = "long") -> dict:
+    messages = [{"role": "system", "content": "You are terse."}]
+    for turn in range(n_turns):
+        messages += [{"role": "user", "content": f"Turn {turn}: tell me one more thing about the weather, please."},
+                     {"role": "assistant", "content": "a human answer"}]
+    return {"id": conv_id, "messages": messages}
+
+
+class _PromptRecorder:
+    """Wraps `generate` to record each call's prompt length, and how many of its tokens the call had to encode."""
+
+    def __init__(self, model, monkeypatch):
+        self.prompts, self.encoded = [], []
+        original = model.generate
+
+        def generate(*args, **kwargs):
+            length = kwargs["input_ids"].shape[1]
+            cache = kwargs.get("cache")
+            self.prompts.append(length)
+            self.encoded.append(length - (cache.get_seq_length() if cache is not None else 0))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(model, "generate", generate)
+
+
+def test_regenerate_bounds_long_histories_and_reports_throughput(tiny, tokenizer, tmp_path, monkeypatch, capsys):
+    convs = [_long_chat(30)]
+    recorder = _PromptRecorder(tiny, monkeypatch)
+    out = tmp_path / "long.jsonl"
+    assert regenerate_conversations(tiny, tokenizer, convs, out, max_new_tokens=4, max_length=160, progress=True) == 1
+    record = read_jsonl(out)[0]
+    roles = [m["role"] for m in record["messages"]]
+    assert roles == ["system"] + ["user", "assistant"] * 30
+    assert len(recorder.prompts) == 30 and max(recorder.prompts) <= 160 - 4
+    # the history grew past the budget, so old turns were dropped (the prompt shrank at least once) ...
+    assert any(b < a for a, b in zip(recorder.prompts, recorder.prompts[1:]))
+    # ... and between drops each turn encodes only its own new tokens (the last reply and the new user turn): the KV
+    # cache of the prefix is reused
+    grown = [(encoded, b - a) for a, b, encoded in zip(recorder.prompts, recorder.prompts[1:], recorder.encoded[1:]) if b > a]
+    assert len(grown) >= 15 and all(encoded <= growth + 4 for encoded, growth in grown)
+    captured = capsys.readouterr()
+    assert "30/30" in captured.err and "turn" in captured.err  # progress counts turns
+    assert "regenerate: 30 replies" in captured.out and "tokens/s" in captured.out
+
+
+def test_regenerate_reusing_the_cache_writes_what_fresh_prompts_write(tiny, tokenizer, tmp_path):
+    convs = [_long_chat(6, "a")]
+    reused = regenerate_conversations(tiny, tokenizer, convs, tmp_path / "a.jsonl", max_new_tokens=6, batch_size=1, progress=False)
+    fresh_convs = convs + [{"id": "pad", "messages": [{"role": "user", "content": "hi"}]}]  # a batch of 2: no cache
+    fresh = regenerate_conversations(tiny, tokenizer, fresh_convs, tmp_path / "b.jsonl", max_new_tokens=6, batch_size=2, progress=False)
+    assert (reused, fresh) == (1, 2)
+    assert read_jsonl(tmp_path / "a.jsonl")[0] == read_jsonl(tmp_path / "b.jsonl")[0]
+
+
+def test_regenerate_refuses_a_budget_without_room_for_the_reply(tiny, tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="--max-length 8 leaves no room.*--max-new-tokens 16"):
+        regenerate_conversations(tiny, tokenizer, [_long_chat(1)], tmp_path / "x.jsonl", max_new_tokens=16, max_length=8, progress=False)
