@@ -11,10 +11,13 @@ over repetitions and its ratio to plain greedy. Methods:
   default assistant settings (`num_assistant_tokens` 20, heuristic schedule).
 - `prompt-lookup`: prompt lookup decoding (`prompt_lookup_num_tokens`).
 - `dflash`: a DFlash-only drafter (Markov and confidence heads off) trained with the DSpark drafter's budget.
-- `dspark`: the DSpark drafter, fixed block length (B - 1 drafts).
-- `dspark-conf`: the DSpark drafter with confidence scheduling (`dspark_confidence_threshold`).
+- `dspark-fixed`: the DSpark drafter, fixed block length (B - 1 drafts every round).
+- `dspark`: the DSpark drafter as shipped: its generation config's schedule decides how many drafts each round
+  verifies (the hardware-aware schedule of the default drafter, possibly none).
+- `dspark-conf`: the DSpark drafter with a survival threshold (`dspark_confidence_threshold`), on request.
 
-Greedy and T = 1 (`--modes`). Also measured: drafter context update + one parallel block pass + Markov loop as a
+Each `--prompts` entry is a domain (chat, instructions, code, long multi-turn chats, a held-out corpus), measured and
+reported on its own, since a drafter is fast only where its training data reaches. Greedy and T = 1 (`--modes`). Also measured: drafter context update + one parallel block pass + Markov loop as a
 fraction of one verify pass (the target's forward of B tokens on a cached context of the same length).
 """
 
@@ -24,13 +27,16 @@ import argparse
 import copy
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .evaluation import encode_prompt, held_out_prompts, load_drafter, machine_description, set_threads, timed_generate
+from .evaluation import (drafter_name, encode_prompt, live_acceptance, load_drafter, machine_description,
+                         merge_generation_stats, plot_domain_acceptance, set_threads, timed_generate)
 
-ALL_METHODS = ["plain", "assisted-lm", "prompt-lookup", "dflash", "dspark", "dspark-conf"]
+ALL_METHODS = ["plain", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark", "dspark-conf"]
+DEFAULT_METHODS = ["plain", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark"]
 
 
 def truncated_assistant(target, num_layers: int):
@@ -92,89 +98,136 @@ def _method_kwargs(method: str, models: dict[str, Any], args) -> dict[str, Any]:
     return {"assistant_model": models[method]}
 
 
-def benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    from .data import load_target, resolve_target
-
-    set_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    target, tokenizer = load_target(resolve_target(args.target, args.model), dtype=args.dtype)
+def load_methods(args, target, dtype) -> tuple[list[str], dict[str, Any]]:
+    """The methods to run and the models they need. `dspark` keeps the drafter's shipped generation config (its
+    schedule); `dspark-fixed` always drafts the whole block; `dspark-conf` uses a survival threshold."""
     methods = [m for m in args.methods if m != "dflash" or args.dflash]  # the DFlash baseline runs when given
     models: dict[str, Any] = {}
     if "assisted-lm" in methods:
         models["assistant"] = truncated_assistant(target, args.assistant_layers)
     if "dflash" in methods:
         models["dflash"] = load_drafter(args.dflash, target, dtype)
-    if "dspark" in methods or "dspark-conf" in methods:
+    if "dspark" in methods:
         models["dspark"] = load_drafter(args.model, target, dtype)
-        models["dspark"].generation_config.dspark_confidence_threshold = None
+    if "dspark-fixed" in methods:
+        models["dspark-fixed"] = fixed_length(load_drafter(args.model, target, dtype))
     if "dspark-conf" in methods:
-        conf = load_drafter(args.model, target, dtype)
+        conf = fixed_length(load_drafter(args.model, target, dtype))
         conf.generation_config.dspark_confidence_threshold = args.confidence_threshold
         models["dspark-conf"] = conf
+    return methods, models
 
-    prompts = held_out_prompts(args.prompts, args.split, args.num_prompts)
-    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+
+def fixed_length(drafter):
+    """The drafter with every schedule off: each round proposes the whole block."""
+    for knob in ("dspark_confidence_threshold", "dspark_verify_cost", "dspark_schedule"):
+        setattr(drafter.generation_config, knob, None)
+    return drafter
+
+
+def domain_prompts(spec: str, split: str, limit: int) -> list[list[dict]]:
+    """Prompts of one domain, `SOURCE[:SPLIT[:TURNS]]`: the first `limit` conversations of SPLIT (default `split`;
+    `all` for a corpus never trained on, such as humaneval). TURNS > 1 keeps the conversation up to its TURNS-th
+    user turn, earlier replies included, so long multi-turn contexts are measured as users send them."""
+    from .data import load_conversations, split_conversations
+
+    source, _, rest = spec.partition(":")
+    chosen_split, _, turns = rest.partition(":")
+    chosen_split, turns = chosen_split or split, int(turns or 1)
+    conversations = load_conversations(source)
+    if chosen_split != "all":
+        conversations = split_conversations(conversations)[chosen_split]
+    prompts = []
+    for conv in conversations:
+        history, users = [], 0
+        for message in conv["messages"]:
+            if message["role"] == "user" and message["content"].strip():
+                users += 1
+                history.append({"role": "user", "content": message["content"].strip()})
+                if users == turns:
+                    break
+            elif history and message["role"] == "assistant":
+                history.append({"role": "assistant", "content": message["content"].strip()})
+        if users == turns:
+            prompts.append(history)
+        if len(prompts) == limit:
+            break
+    if not prompts:
+        raise ValueError(f"no prompts with {turns} user turn(s) in the {chosen_split!r} split of {source}; pass another --prompts source.")
+    return prompts
+
+
+def run_methods(target, encoded, methods, models, args, do_sample: bool) -> dict[str, dict[str, Any]]:
+    """Every method on every prompt, repetitions interleaved (rep → prompt → method, order rotated each rep)."""
+    for m in methods:  # warm-up: one short call each
+        timed_generate(target, encoded[0], 8, do_sample, 0, **_method_kwargs(m, models, args))
+    runs = {m: {"tokens": [0] * args.repetitions, "seconds": [0.0] * args.repetitions, "stats": [], "outputs": []}
+            for m in methods}
+    for rep in range(args.repetitions):
+        order = methods[rep % len(methods):] + methods[: rep % len(methods)]
+        for i, inputs in enumerate(encoded):
+            for m in order:
+                new, elapsed = timed_generate(target, inputs, args.max_new_tokens, do_sample, 1000 * rep + i,
+                                              **_method_kwargs(m, models, args))
+                runs[m]["tokens"][rep] += new.numel()
+                runs[m]["seconds"][rep] += elapsed
+                if rep == 0:
+                    runs[m]["outputs"].append(new)
+                    if m in models and hasattr(models[m], "last_generation_stats"):
+                        runs[m]["stats"].append(models[m].last_generation_stats)
+    return runs
+
+
+def summarize_runs(runs: dict[str, dict[str, Any]], do_sample: bool) -> dict[str, dict[str, Any]]:
+    """Median tokens/s per method, ratios to plain and to the other baselines, identical texts, live acceptance."""
+    rows = {}
+    for m, run in runs.items():
+        rates = [t / max(s, 1e-9) for t, s in zip(run["tokens"], run["seconds"])]
+        rows[m] = {"tokens_per_s": statistics.median(rates), "all_tokens_per_s": rates}
+        if run["stats"]:
+            rows[m].update(live_acceptance(merge_generation_stats(run["stats"])))
+    for m, row in rows.items():
+        if "plain" in rows:
+            row["speedup_vs_plain"] = row["tokens_per_s"] / rows["plain"]["tokens_per_s"]
+            if not do_sample:
+                row["identical_to_plain"] = sum(bool(a.shape == b.shape and torch.equal(a, b))
+                                                for a, b in zip(runs["plain"]["outputs"], runs[m]["outputs"]))
+        if m.startswith("dspark"):
+            for other in ("assisted-lm", "prompt-lookup", "dflash"):
+                if other in rows:
+                    row[f"speedup_vs_{other}"] = row["tokens_per_s"] / rows[other]["tokens_per_s"]
+    return rows
+
+
+def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    from .data import load_target, resolve_target
+
+    set_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    target, tokenizer = load_target(resolve_target(args.target, args.model), dtype=args.dtype)
+    methods, models = load_methods(args, target, dtype)
     report: dict[str, Any] = {
-        "machine": machine_description(), "dtype": args.dtype, "prompts": len(prompts), "split": args.split,
-        "max_new_tokens": args.max_new_tokens, "repetitions": args.repetitions,
+        "machine": machine_description(), "dtype": args.dtype, "split": args.split, "max_new_tokens": args.max_new_tokens,
+        "repetitions": args.repetitions, "drafter": drafter_name(args.model),
         "assistant": f"{target.name_or_path} truncated to its first {args.assistant_layers} of {target.config.num_hidden_layers} "
                      "layers + final norm + LM head (untrained), transformers' default assistant settings",
         "prompt_lookup_num_tokens": args.prompt_lookup_tokens,
-        "confidence_threshold": args.confidence_threshold, "modes": {},
+        "confidence_threshold": args.confidence_threshold, "domains": {},
     }
-    for mode in args.modes:
-        do_sample = mode == "sample"
-        for m in methods:  # warm-up: one short call each
-            timed_generate(target, encoded[0], 8, do_sample, 0, **_method_kwargs(m, models, args))
-        tokens = {m: [0] * args.repetitions for m in methods}
-        seconds = {m: [0.0] * args.repetitions for m in methods}
-        stats = {m: [] for m in methods}
-        outputs: dict[int, dict[str, torch.Tensor]] = {}  # first repetition's texts, compared with plain
-        for rep in range(args.repetitions):
-            order = methods[rep % len(methods):] + methods[: rep % len(methods)]
-            for i, inputs in enumerate(encoded):
-                for m in order:
-                    new, elapsed = timed_generate(target, inputs, args.max_new_tokens, do_sample, 1000 * rep + i,
-                                                  **_method_kwargs(m, models, args))
-                    tokens[m][rep] += new.numel()
-                    seconds[m][rep] += elapsed
-                    if m in ("dflash", "dspark", "dspark-conf") and rep == 0:
-                        stats[m].append(models[m].last_generation_stats)
-                    if rep == 0:
-                        outputs.setdefault(i, {})[m] = new
-        rows = {}
-        for m in methods:
-            rates = [t / max(s, 1e-9) for t, s in zip(tokens[m], seconds[m])]
-            rows[m] = {"tokens_per_s": statistics.median(rates), "all_tokens_per_s": rates}
-        base = rows.get("plain", {}).get("tokens_per_s")
-        for m in methods:
-            if base:
-                rows[m]["speedup_vs_plain"] = rows[m]["tokens_per_s"] / base
-            if not do_sample and "plain" in methods:
-                rows[m]["identical_to_plain"] = sum(
-                    bool(torch.equal(o["plain"], o[m])) if o["plain"].shape == o[m].shape else False for o in outputs.values())
-            if stats.get(m):
-                from .evaluation import merge_generation_stats
-
-                merged = merge_generation_stats(stats[m])
-                rows[m]["mean_accepted_length"] = merged.mean_accepted_length
-                rows[m]["acceptance_conditional"] = merged.acceptance_conditional()
-                rows[m]["mean_drafts_per_round"] = sum(merged.drafted) / max(merged.rounds, 1)
-        for m in ("dspark", "dspark-conf"):
-            if m in rows:
-                for other in ("assisted-lm", "prompt-lookup", "dflash"):
-                    if other in rows:
-                        rows[m][f"speedup_vs_{other}"] = rows[m]["tokens_per_s"] / rows[other]["tokens_per_s"]
-        report["modes"][mode] = rows
-    if "dspark" in models:
-        report["drafter_overhead"] = drafter_overhead(target, models["dspark"], encoded[0] if not args.overhead_context
-                                                      else _long_context(tokenizer, encoded, args.overhead_context))
-        if "dflash" in models:
-            report["dflash_overhead"] = drafter_overhead(target, models["dflash"], encoded[0] if not args.overhead_context
-                                                         else _long_context(tokenizer, encoded, args.overhead_context))
-    if "dspark" in methods and "dflash" in methods and "greedy" in report["modes"]:
-        g = report["modes"]["greedy"]
-        report["tau_ratio_dspark_vs_dflash_online"] = g["dspark"]["mean_accepted_length"] / g["dflash"]["mean_accepted_length"]
+    first_prompt = None
+    for spec in args.prompts:
+        encoded = [encode_prompt(tokenizer, p) for p in domain_prompts(spec, args.split, args.num_prompts)]
+        first_prompt = first_prompt or encoded[0]
+        modes = {mode: summarize_runs(run_methods(target, encoded, methods, models, args, mode == "sample"), mode == "sample")
+                 for mode in args.modes}
+        report["domains"][spec] = {"prompts": len(encoded), "modes": modes}
+    for name in ("dspark", "dflash"):
+        if name in models:
+            context = _long_context(tokenizer, [first_prompt], args.overhead_context) if args.overhead_context else first_prompt
+            report[f"{name}_overhead"] = drafter_overhead(target, models[name], context)
+    if args.plots and "dspark" in methods:
+        Path(args.plots).mkdir(parents=True, exist_ok=True)
+        report["plots"] = {"acceptance": plot_domain_acceptance(Path(args.plots) / "acceptance.png", report)}
     return report
 
 
@@ -185,34 +238,46 @@ def _long_context(tokenizer, encoded, length: int) -> dict[str, torch.Tensor]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = [f"machine: {report['machine']}", f"dtype: {report['dtype']}   prompts: {report['prompts']} ({report['split']} split)"
-             f"   max_new_tokens: {report['max_new_tokens']}   repetitions: {report['repetitions']} (interleaved, median)",
+    lines = [f"machine: {report['machine']}", f"drafter: {report['drafter']}",
+             f"dtype: {report['dtype']}   max_new_tokens: {report['max_new_tokens']}   repetitions: "
+             f"{report['repetitions']} (interleaved, median)",
              f"assisted-lm = {report['assistant']}",
              f"prompt-lookup: prompt_lookup_num_tokens={report['prompt_lookup_num_tokens']}; "
              f"dspark-conf: confidence threshold {report['confidence_threshold']}"]
-    for mode, rows in report["modes"].items():
-        lines += ["", f"[{mode}, {report['dtype']}]",
-                  f"{'method':<14}{'tok/s':>8}{'× plain':>9}{'τ live':>8}{'drafts/rd':>10}{'same text':>10}"]
-        for m, r in rows.items():
-            tau = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
-            drafts = f"{r['mean_drafts_per_round']:.2f}" if "mean_drafts_per_round" in r else "-"
-            same = f"{r['identical_to_plain']}/{report['prompts']}" if "identical_to_plain" in r else "-"
-            lines.append(f"{m:<14}{r['tokens_per_s']:>8.1f}{r.get('speedup_vs_plain', float('nan')):>9.2f}{tau:>8}{drafts:>10}{same:>10}")
-        for m in ("dspark", "dspark-conf"):
-            if m in rows:
-                ratios = ", ".join(f"{k[len('speedup_vs_'):]} ×{v:.2f}" for k, v in rows[m].items()
-                                   if k.startswith("speedup_vs_") and k != "speedup_vs_plain")
-                if ratios:
-                    lines.append(f"{m} vs: {ratios}")
-    for key in ("drafter_overhead", "dflash_overhead"):
+    for domain, result in report["domains"].items():
+        for mode, rows in result["modes"].items():
+            lines += ["", f"[{domain}: {result['prompts']} prompts, {mode}, {report['dtype']}]",
+                      f"{'method':<14}{'tok/s':>8}{'× plain':>9}{'τ live':>8}{'drafts/rd':>10}{'same text':>10}"]
+            for m, r in rows.items():
+                tau = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
+                drafts = f"{r['mean_drafts_per_round']:.2f}" if "mean_drafts_per_round" in r else "-"
+                same = f"{r['identical_to_plain']}/{result['prompts']}" if "identical_to_plain" in r else "-"
+                lines.append(f"{m:<14}{r['tokens_per_s']:>8.1f}{r.get('speedup_vs_plain', float('nan')):>9.2f}"
+                             f"{tau:>8}{drafts:>10}{same:>10}")
+    lines += ["", "summary: DSpark (shipped generation config) × plain generate per domain", *summary_table(report)]
+    for key in ("dspark_overhead", "dflash_overhead"):
         o = report.get(key)
         if o:
             lines.append(f"\n{key.replace('_', ' ')} ({report['dtype']}, context {o['context_tokens']} tokens): "
                          f"drafting round {o['draft_round_ms']:.2f} ms vs verify pass {o['verify_pass_ms']:.2f} ms "
                          f"= {o['fraction']:.1%}")
-    if "tau_ratio_dspark_vs_dflash_online" in report:
-        lines.append(f"online τ DSpark / DFlash-only (greedy): {report['tau_ratio_dspark_vs_dflash_online']:.3f}")
     return "\n".join(lines)
+
+
+def summary_table(report: dict[str, Any], method: str = "dspark") -> list[str]:
+    """One Markdown row per domain: × plain and live τ of `method` in each mode (the README/model-card table)."""
+    modes = list(next(iter(report["domains"].values()))["modes"]) if report["domains"] else []
+    header = "| domain | " + " | ".join(f"{m} × plain | {m} τ | {m} drafts/round" for m in modes) + " |"
+    rows = [header, "|" + "---|" * (1 + 3 * len(modes))]
+    for domain, result in report["domains"].items():
+        cells = []
+        for mode in modes:
+            r = result["modes"][mode].get(method, {})
+            cells += [f"{r['speedup_vs_plain']:.2f}" if "speedup_vs_plain" in r else "-",
+                      f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-",
+                      f"{r['mean_drafts_per_round']:.2f}" if "mean_drafts_per_round" in r else "-"]
+        rows.append(f"| {domain} | " + " | ".join(cells) + " |")
+    return rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -221,11 +286,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DFlash-only baseline drafter directory (e.g. examples/smollm2-dflash); the dflash method runs only when given")
     parser.add_argument("--target", default=None,
                         help="target path, Hub id or .gguf file (default: the one the drafter records, verifier_name_or_path)")
-    parser.add_argument("--methods", nargs="+", default=ALL_METHODS, choices=ALL_METHODS)
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=ALL_METHODS,
+                        help="dspark = the drafter's shipped generation config (its schedule); dspark-fixed = whole "
+                        "blocks; dspark-conf = survival threshold (default: all but dspark-conf)")
     parser.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=["greedy", "sample"],
                         help="decoding modes (sample = T=1)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--prompts", nargs="+", default=["chitchat"], help="prompt sources (chitchat, chatterbot, JSONL)")
+    parser.add_argument("--prompts", nargs="+", default=["chitchat"], metavar="SOURCE[:SPLIT[:TURNS]]",
+                        help="one domain per entry, each reported on its own: a corpus (chitchat, chatterbot, "
+                        "wordnet-nouns, stdlib-explain, chitchat-long, humaneval, ...) or a JSONL file; SPLIT overrides "
+                        "--split (use all for a corpus never trained on), TURNS > 1 keeps that many user turns of history")
     parser.add_argument("--split", default="test", choices=["train", "validation", "test", "all"])
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -236,6 +306,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-context", type=int, default=0,
                         help="context length of the overhead measurement (default: the first prompt)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--plots", help="directory for acceptance.png (per-domain conditional and cumulative acceptance)")
     parser.add_argument("--json", nargs="?", const="-", default=None, help="also write the report as JSON (file or '-')")
 
 
@@ -246,4 +317,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["ALL_METHODS", "benchmark", "drafter_overhead", "format_report", "truncated_assistant"]
+__all__ = ["ALL_METHODS", "benchmark", "domain_prompts", "drafter_overhead", "format_report", "summary_table", "truncated_assistant"]

@@ -138,6 +138,7 @@ def offline_metrics(accept: torch.Tensor, mask: torch.Tensor, block_size: int) -
         "block_size": block_size,
         "acceptance": per_position_acceptance(accept, mask).tolist(),
         "acceptance_cumulative": cumulative,
+        "blocks_per_position": reached.sum(0).long().tolist(),
     }
 
 
@@ -228,7 +229,7 @@ def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_ne
         spec_tokens, spec_time = spec_tokens + spec.numel(), spec_time + t_spec
         identical.append(bool(plain.shape == spec.shape and torch.equal(plain, spec)))
     merged = merge_generation_stats(stats)
-    summary = merged.to_dict()
+    summary = {**merged.to_dict(), **live_acceptance(merged)}
     summary.update(
         mode="sampling T=1" if do_sample else "greedy",
         prompts=len(prompts),
@@ -244,25 +245,76 @@ def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_ne
 
 
 # ---------------------------------------------------------------------------------------------------- plots
-def plot_acceptance(path: str | os.PathLike, curves: dict[str, list[float]], title: str) -> str:
+def live_acceptance(stats) -> dict[str, Any]:
+    """Live τ, drafts per round and per-position acceptance, each with the number of rounds it rests on."""
+    drafted, accepted, N = stats.drafted, stats.accepted, stats.num_draft_tokens
+    proposed = [sum(d >= k for d in drafted) for k in range(1, N + 1)]
+    reached = [sum(d >= k and a >= k - 1 for a, d in zip(accepted, drafted)) for k in range(1, N + 1)]
+    return {
+        "rounds": stats.rounds,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "mean_drafts_per_round": sum(drafted) / max(stats.rounds, 1),
+        "drafts_per_round_histogram": [sum(d == k for d in drafted) for k in range(N + 1)],
+        "acceptance_conditional": stats.acceptance_conditional(),
+        "acceptance_conditional_rounds": reached,
+        "acceptance_cumulative": stats.acceptance_cumulative(),
+        "acceptance_cumulative_rounds": proposed,
+    }
+
+
+FEW_BLOCKS = 20  # a point resting on fewer blocks is drawn hollow: noise, not a result
+
+
+def plot_acceptance(path: str | os.PathLike, curves: dict[str, dict[str, list]], title: str) -> str:
+    """Two panels, conditional P(draft k accepted | drafts before it accepted) and cumulative P(drafts 1..k all
+    accepted); each point is labelled with the number of blocks it rests on, hollow below FEW_BLOCKS.
+
+    curves: label -> {"conditional", "conditional_n", "cumulative", "cumulative_n"} (lists over k = 1..N)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, values in curves.items():
-        ax.plot(range(1, len(values) + 1), values, marker="o", label=label)
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("acceptance")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, kind in zip(axes, ("conditional", "cumulative")):
+        for label, curve in curves.items():
+            values, counts = curve.get(kind), curve.get(f"{kind}_n")
+            if not values:
+                continue
+            ks = list(range(1, len(values) + 1))
+            line, = ax.plot(ks, values, label=label, lw=1.2)
+            for k, v, n in zip(ks, values, counts or [None] * len(values)):
+                solid = n is None or n >= FEW_BLOCKS
+                ax.plot([k], [v], marker="o", ms=5, color=line.get_color(), mfc=line.get_color() if solid else "white")
+                if n is not None:
+                    ax.annotate(str(n), (k, v), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=6)
+        ax.set_xlabel("draft position k")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set_title("conditional: P(k accepted | 1..k-1 accepted)" if kind == "conditional" else "cumulative: P(1..k all accepted)",
+                     fontsize=9)
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("acceptance")
+    axes[1].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"{title}\n(numbers: blocks each point rests on; hollow: fewer than {FEW_BLOCKS})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
+
+
+def plot_domain_acceptance(path: str | os.PathLike, report: dict[str, Any], method: str = "dspark") -> str:
+    """The bench's live acceptance of `method`, one curve per domain and mode."""
+    curves = {}
+    for domain, result in report["domains"].items():
+        for mode, rows in result["modes"].items():
+            row = rows.get(method, {})
+            if "acceptance_conditional" in row:
+                curves[f"{Path(domain).name}, {mode}"] = {
+                    "conditional": row["acceptance_conditional"], "conditional_n": row["acceptance_conditional_rounds"],
+                    "cumulative": row["acceptance_cumulative"], "cumulative_n": row["acceptance_cumulative_rounds"]}
+    return plot_acceptance(path, curves, f"{report['drafter']}, live acceptance ({report['dtype']})")
 
 
 def plot_reliability(path: str | os.PathLike, calibration: dict[str, Any], positions=(0, 2, 4, 6)) -> str:
@@ -336,6 +388,14 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- driver
+def drafter_name(model_dir: str) -> str:
+    """"DSpark drafter for <target> (<folder>)" from the checkpoint's config: plot titles name the drafter."""
+    from . import DSparkConfig
+
+    config = DSparkConfig.from_pretrained(model_dir)
+    return f"DSpark drafter for {config.verifier_name_or_path or 'its target'} ({Path(model_dir).name})"
+
+
 def load_drafter(path: str, target=None, dtype: torch.dtype = torch.float32):
     """A drafter from a directory, bound to `target` if its checkpoint omits the frozen embed/head."""
     from . import DSparkForDrafting
@@ -356,7 +416,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     plots = Path(args.plots) if args.plots else None
     if plots:
         plots.mkdir(parents=True, exist_ok=True)
-    curves: dict[str, list[float]] = {}
+    curves: dict[str, dict[str, list]] = {}
 
     if args.cache:
         from .cache import HiddenStateCache
@@ -367,8 +427,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         cache.validate_against(drafter.config)
         rollouts = offline_acceptance(drafter, cache, args.max_anchors, max_samples=args.max_samples)
         report["offline"] = offline_metrics(rollouts["accept"], rollouts["mask"], drafter.config.block_size)
-        curves["offline 1-TV_k"] = report["offline"]["acceptance"]
-        curves["offline survival"] = report["offline"]["acceptance_cumulative"]
+        off = report["offline"]
+        curves["offline (teacher-forced)"] = {"conditional": off["acceptance"], "conditional_n": off["blocks_per_position"],
+                                              "cumulative": off["acceptance_cumulative"], "cumulative_n": off["blocks_per_position"]}
         if "confidence_logits" in rollouts:
             temperatures = list(drafter.config.confidence_temperatures)
             report["calibration"] = calibration_metrics(rollouts["confidence_logits"], rollouts["accept"],
@@ -387,10 +448,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         for mode in args.modes:
             on = online_metrics(target, tokenizer, drafter, prompts, args.max_new_tokens, do_sample=(mode == "sample"))
             report["online"].append(on)
-            curves[f"online {on['mode']} conditional"] = on["acceptance_conditional"]
-            curves[f"online {on['mode']} cumulative"] = on["acceptance_cumulative"]
+            curves[f"online {on['mode']}"] = {
+                "conditional": on["acceptance_conditional"], "conditional_n": on["acceptance_conditional_rounds"],
+                "cumulative": on["acceptance_cumulative"], "cumulative_n": on["acceptance_cumulative_rounds"]}
     if plots and curves:
-        report["plots"]["acceptance"] = plot_acceptance(plots / "acceptance.png", curves, f"{Path(args.model).name} ({args.dtype})")
+        report["plots"]["acceptance"] = plot_acceptance(plots / "acceptance.png", curves, f"{drafter_name(args.model)} ({args.dtype})")
     return report
 
 

@@ -9,6 +9,7 @@ end to end on a tiny model; the drafter shipped in examples/smollm2-dspark loads
 from __future__ import annotations
 
 import argparse
+import json
 import importlib.util
 from pathlib import Path
 
@@ -133,12 +134,34 @@ def test_eval_and_bench_commands_run_on_a_tiny_model(tiny, tmp_path, capsys):
     args = parser.parse_args(["--model", str(tmp_path / "dspark"), "--dflash", str(tmp_path / "dflash"), "--target",
                               str(tmp_path / "target"), "--prompts", str(tmp_path / "prompts.jsonl"), "--split", "all",
                               "--num-prompts", "1", "--max-new-tokens", "6", "--repetitions", "2", "--dtype", "float32",
-                              "--assistant-layers", "2", "--json", str(tmp_path / "bench.json")])
+                              "--assistant-layers", "2", "--methods", *benchmark.ALL_METHODS, "--plots",
+                              str(tmp_path / "bench-plots"), "--json", str(tmp_path / "bench.json")])
     assert benchmark.run(args) == 0
     out = capsys.readouterr().out
     for method in benchmark.ALL_METHODS:
         assert f"\n{method} " in out
-    assert "drafter overhead" in out and "machine:" in out and "dtype: float32" in out
+    assert "dspark overhead" in out and "machine:" in out and "dtype: float32" in out
+    assert "summary: DSpark (shipped generation config) × plain generate per domain" in out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    domain = report["domains"][str(tmp_path / "prompts.jsonl")]
+    live = domain["modes"]["greedy"]["dspark"]
+    assert len(live["acceptance_conditional_rounds"]) == drafter.num_draft_tokens
+    assert live["acceptance_cumulative_rounds"][0] == live["rounds"] - live["drafts_per_round_histogram"][0]
+    assert (tmp_path / "bench-plots" / "acceptance.png").stat().st_size > 0
+
+
+def test_bench_domains_keep_history_when_asked(tmp_path):
+    from dspark_hf.benchmark import domain_prompts
+    from dspark_hf.data import write_jsonl
+
+    turns = [{"role": r, "content": f"{r} {i}"} for i in range(4) for r in ("user", "assistant")]
+    write_jsonl(tmp_path / "long.jsonl", [{"id": "a", "messages": turns}, {"id": "b", "messages": turns[:2]}])
+    single = domain_prompts(f"{tmp_path / 'long.jsonl'}:all", "test", 5)
+    assert single == [[{"role": "user", "content": "user 0"}]] * 2
+    long = domain_prompts(f"{tmp_path / 'long.jsonl'}:all:3", "test", 5)
+    assert long == [turns[:5]], "three user turns with the replies between them; b has too few turns"
+    with pytest.raises(ValueError, match="no prompts with 9 user turn"):
+        domain_prompts(f"{tmp_path / 'long.jsonl'}:all:9", "test", 5)
 
 
 def test_truncated_assistant_shares_the_first_layers(tiny):
