@@ -28,7 +28,10 @@ from typing import Any
 
 import torch
 
-from .evaluation import encode_prompt, held_out_prompts, load_drafter, machine_description, set_threads, timed_generate
+from . import DSparkContextCache
+from .data import load_target
+from .evaluation import encode_prompt, held_out_prompts, load_drafter, merge_generation_stats, timed_generate
+from .reporting import emit_report, machine_description, set_threads
 
 ALL_METHODS = ["plain", "assisted-lm", "prompt-lookup", "dflash", "dspark", "dspark-conf"]
 
@@ -53,8 +56,6 @@ def truncated_assistant(target, num_layers: int):
 def drafter_overhead(target, drafter, inputs: dict[str, torch.Tensor], repeats: int = 20, commit: int = 4) -> dict[str, float]:
     """Median time of one drafting round (extend the drafter context by `commit` positions, one parallel pass and the
     Markov loop over B-1 drafts) vs one verify pass (target forward of B tokens on a cache of the same context)."""
-    from . import DSparkContextCache
-
     aux_ids = list(drafter.config.aux_hidden_state_layer_ids)
     ids = inputs["input_ids"]
     n = ids.shape[1]
@@ -93,8 +94,6 @@ def _method_kwargs(method: str, models: dict[str, Any], args) -> dict[str, Any]:
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    from .data import load_target
-
     set_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load_target(args.target, dtype=args.dtype)
@@ -154,8 +153,6 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 rows[m]["identical_to_plain"] = sum(
                     bool(torch.equal(o["plain"], o[m])) if o["plain"].shape == o[m].shape else False for o in outputs.values())
             if stats.get(m):
-                from .evaluation import merge_generation_stats
-
                 merged = merge_generation_stats(stats[m])
                 rows[m]["mean_accepted_length"] = merged.mean_accepted_length
                 rows[m]["acceptance_conditional"] = merged.acceptance_conditional()
@@ -238,8 +235,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import emit_report
-
     emit_report(benchmark(args), args.json, format_report)
     return 0
 

@@ -37,6 +37,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from .data import check_dataset, load_conversations, load_target, split_conversations, tokenize_conversations
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -182,8 +184,6 @@ def build_cache(
     `conversations` are normalized conversations (see `dspark_hf.data`); `aux_layer_ids` use the speculators
     convention. Returns the final manifest.
     """
-    from .data import tokenize_conversations
-
     if dtype not in DTYPES:
         raise ValueError(f"cache dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     if shard_size < 1 or batch_size < 1:
@@ -421,6 +421,43 @@ class HiddenStateCache(torch.utils.data.Dataset):
             )
 
 
+class IndexedCache(torch.utils.data.Dataset):
+    """The cache with each sample's index attached (anchors are seeded by it)."""
+
+    def __init__(self, cache: HiddenStateCache):
+        self.cache = cache
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {**self.cache[index], "index": torch.tensor(index)}
+
+
+def collate_samples(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad a list of cached samples into one batch; padding is masked everywhere downstream."""
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples])  # (b,)
+    b, T = len(samples), int(lengths.max())
+    aux_width, d = samples[0]["aux_hidden_states"].shape[-1], samples[0]["final_hidden_state"].shape[-1]
+    batch = {
+        "input_ids": torch.zeros(b, T, dtype=torch.long),
+        "loss_mask": torch.zeros(b, T, dtype=torch.bool),
+        "attention_mask": torch.zeros(b, T, dtype=torch.long),
+        "aux_hidden_states": torch.zeros(b, T, aux_width, dtype=samples[0]["aux_hidden_states"].dtype),
+        "final_hidden_state": torch.zeros(b, T, d, dtype=samples[0]["final_hidden_state"].dtype),
+        "lengths": lengths,
+        "index": torch.stack([s["index"] for s in samples]),
+    }
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        batch["input_ids"][row, :n] = s["input_ids"]
+        batch["loss_mask"][row, :n] = s["loss_mask"]
+        batch["attention_mask"][row, :n] = 1
+        batch["aux_hidden_states"][row, :n] = s["aux_hidden_states"]
+        batch["final_hidden_state"][row, :n] = s["final_hidden_state"]
+    return batch
+
+
 # ---------------------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
@@ -448,8 +485,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .data import check_dataset, load_conversations, load_target, split_conversations
-
     conversations = load_conversations(args.dataset)
     check_dataset(conversations, str(args.dataset))
     if args.split != "all":

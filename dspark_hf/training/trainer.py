@@ -42,12 +42,12 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import ProjectConfiguration, set_seed
 from safetensors.torch import load_file
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from .. import DSparkConfig, DSparkForDrafting
-from ..cache import HiddenStateCache
+from ..cache import HiddenStateCache, IndexedCache, collate_samples
 from .anchors import sample_batch_anchors, slot_mask
 from .losses import BlockStatistics, LossConfig, draft_labels, dspark_loss, target_probabilities
 
@@ -124,44 +124,6 @@ class TrainerState:
 
     def load_state_dict(self, state: dict[str, int]):
         self.step, self.epoch, self.batches_in_epoch = state["step"], state["epoch"], state["batches_in_epoch"]
-
-
-# ------------------------------------------------------------------------------------------------------------ data
-class IndexedCache(Dataset):
-    """The cache with each sample's index attached (anchors are seeded by it)."""
-
-    def __init__(self, cache: HiddenStateCache):
-        self.cache = cache
-
-    def __len__(self) -> int:
-        return len(self.cache)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {**self.cache[index], "index": torch.tensor(index)}
-
-
-def collate_samples(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad a list of cached samples into one batch; padding is masked everywhere downstream."""
-    lengths = torch.tensor([len(s["input_ids"]) for s in samples])  # (b,)
-    b, T = len(samples), int(lengths.max())
-    aux_width, d = samples[0]["aux_hidden_states"].shape[-1], samples[0]["final_hidden_state"].shape[-1]
-    batch = {
-        "input_ids": torch.zeros(b, T, dtype=torch.long),
-        "loss_mask": torch.zeros(b, T, dtype=torch.bool),
-        "attention_mask": torch.zeros(b, T, dtype=torch.long),
-        "aux_hidden_states": torch.zeros(b, T, aux_width, dtype=samples[0]["aux_hidden_states"].dtype),
-        "final_hidden_state": torch.zeros(b, T, d, dtype=samples[0]["final_hidden_state"].dtype),
-        "lengths": lengths,
-        "index": torch.stack([s["index"] for s in samples]),
-    }
-    for row, s in enumerate(samples):
-        n = len(s["input_ids"])
-        batch["input_ids"][row, :n] = s["input_ids"]
-        batch["loss_mask"][row, :n] = s["loss_mask"]
-        batch["attention_mask"][row, :n] = 1
-        batch["aux_hidden_states"][row, :n] = s["aux_hidden_states"]
-        batch["final_hidden_state"][row, :n] = s["final_hidden_state"]
-    return batch
 
 
 # ----------------------------------------------------------------------------------------------------------- model
@@ -595,7 +557,6 @@ __all__ = [
     "TrainingArguments",
     "TrainingDivergedError",
     "build_drafter",
-    "collate_samples",
     "compute_batch_loss",
     "drafter_config_from_target",
     "evaluate",
