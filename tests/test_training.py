@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModel, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from dspark_hf import DSparkConfig
 from dspark_hf.assets import smollm2_path
 from dspark_hf.cache import HiddenStateCache, build_cache
 from dspark_hf.data import chatterbot_conversations
@@ -198,7 +199,7 @@ def test_warm_start_from_zlab_dflash_checkpoint_adds_heads(tmp_path):
     """A z-lab DFlash directory (Qwen3 fields top-level, `dflash_config`, no embed/head, no heads) warm-starts a DSpark."""
     import json
 
-    from dspark_hf.training.trainer import build_drafter
+    from dspark_hf.training.build import build_drafter
 
     world = tiny_world()
     plain = build_drafter(tiny_args(tmp_path, drafter_config={**DRAFTER, "markov_rank": 0, "enable_confidence_head": False},
@@ -238,3 +239,34 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
                  "num_key_value_heads=2", "head_dim=16"])  # no mask token: the tiny target has no pad token
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dspark-hf train: error")]
     assert code == 1 and len(errors) == 1 and "--mask-token-id" in errors[0]
+
+
+def test_warm_start_from_zlab_maps_the_config_like_convert(tmp_path):
+    """Issue 10.6: `train --init-from` a z-lab DFlash directory whose block size sits in `dflash_config` (16) gets the
+    same config as `dspark-hf convert --from zlab-dflash`, not the trainer's own default block of 8."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dspark_hf.formats.convert import convert
+    from dspark_hf.training.build import build_drafter
+
+    plain = build_drafter(tiny_args(tmp_path, drafter_config={**DRAFTER, "markov_rank": 0, "enable_confidence_head": False},
+                                    draft_vocab=None), AUX)
+    source = tmp_path / "dflash"
+    source.mkdir()
+    layers = {k: v.contiguous() for k, v in plain.state_dict().items() if k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))}
+    save_file(layers, str(source / "model.safetensors"))
+    c = plain.config
+    (source / "config.json").write_text(json.dumps({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size,
+        "rope_theta": 10000.0, "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0, 1, 2], "block_size": 16},
+    }))
+    converted = DSparkConfig.from_pretrained(convert(source, tmp_path / "converted", "zlab-dflash"))
+    warm = build_drafter(tiny_args(tmp_path, init_from=str(source), drafter_config={}, draft_vocab=None), AUX).config
+    assert converted.block_size == 16
+    for key in ("block_size", "sample_from_anchor", "aux_hidden_state_layer_ids", "mask_token_id", "rope_parameters"):
+        assert getattr(warm, key) == getattr(converted, key), key
