@@ -16,7 +16,8 @@ import torch
 
 from ..data import load_target_model
 from .convert import DTYPES
-from .speculators import DraftCheckpoint, read_speculators, write_checkpoint
+from .speculators import read_speculators
+from .toolkit import DraftCheckpoint, write_checkpoint
 
 FORMATS = ("speculators",)
 

@@ -16,7 +16,7 @@ import torch
 
 from .. import DSparkConfig, DSparkForDrafting
 from ..data import load_target_model
-from ..formats.speculators import DraftCheckpoint, load_tensors
+from ..formats.toolkit import DraftCheckpoint, load_tensors
 from ..formats.zlab import read_zlab_dflash
 from ..vocab import full_draft_vocab, load_draft_vocab
 
