@@ -13,8 +13,10 @@ Layout of `<dir>` (other modules read it; keep it stable):
   shard-00000.safetensors  packed samples: input_ids int64 [ΣT], loss_mask uint8 [ΣT],
                            aux_hidden_states [ΣT, m·d], final_hidden_state [ΣT, d], offsets int64 [n+1]
 
-`target_revision` is the Hub commit hash when transformers knows it, else ``sha256:<hex>`` of the target's config
-JSON and its first weight tensor (cheap, and changes whenever the checkpoint does).
+`target_revision` is the Hub commit hash when transformers knows it, else ``sha256:<hex>`` of the target's first and
+last weight tensors rounded to bfloat16 (cheap, changes whenever the weights do, and stays the same whatever path or
+dtype the same weights are loaded from). `train` refuses a cache whose target name and revision both differ from
+its `--target`.
 
 Resumable after kill -9: sample i always lands in shard i // shard_size, a shard is written to a temp name and
 renamed, finished shards are never rewritten, and the manifest is rewritten atomically after each shard, so a
@@ -74,14 +76,16 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
 
 
 def target_revision(model) -> str:
-    """Hub commit hash if known, else sha256 of the config JSON + the first weight tensor (see module docstring)."""
+    """Hub commit hash if known, else sha256 of the first and last weight tensors (see module docstring)."""
     commit = getattr(model.config, "_commit_hash", None)
     if commit:
         return str(commit)
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    name, tensor = next(iter(model.state_dict().items()))
-    digest.update(name.encode())
-    digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    digest = hashlib.sha256()
+    state = model.state_dict()
+    for name in dict.fromkeys((next(iter(state)), next(reversed(state)))):
+        digest.update(name.encode())
+        # bf16 rounding: the same weights loaded in float32 or bfloat16 give the same revision
+        digest.update(state[name].detach().to("cpu", torch.bfloat16).view(torch.int16).contiguous().numpy().tobytes())
     return "sha256:" + digest.hexdigest()
 
 
@@ -436,6 +440,18 @@ class HiddenStateCache(torch.utils.data.Dataset):
             values = dict(path=self.path, cached=m[key], expected=_listed(expected), field=field, target=m["target"],
                           ids=",".join(map(str, _listed(expected))) if isinstance(expected, (list, tuple)) else "")
             raise ValueError(("cache {path} " + problem + " but the drafter expects " + fix).format(**values))
+
+    def check_target(self, model) -> None:
+        """Refuse a cache captured from another model: both its name and its revision differ from `model`'s."""
+        m = self.manifest
+        name, revision = getattr(model, "name_or_path", None) or model.config.name_or_path, target_revision(model)
+        if m["target"] == name or m["target_revision"] == revision:
+            return
+        raise ValueError(
+            f"cache {self.path} was captured from another model ({m['target']}, revision {m['target_revision'][:19]}) "
+            f"than --target {name} (revision {revision[:19]}); cache the target you train for with `dspark-hf cache "
+            f"--target {name}`, or pass the cache's own target"
+        )
 
 
 def _listed(value):

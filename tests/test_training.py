@@ -270,3 +270,66 @@ def test_warm_start_from_zlab_maps_the_config_like_convert(tmp_path):
     assert converted.block_size == 16
     for key in ("block_size", "sample_from_anchor", "aux_hidden_state_layer_ids", "mask_token_id", "rope_parameters"):
         assert getattr(warm, key) == getattr(converted, key), key
+
+
+def _flip_byte_in(shard: Path, tensor: str, byte: int) -> None:
+    """Flip one byte of `tensor`'s data inside a safetensors file (header: 8-byte length, JSON, then the data)."""
+    import json
+
+    raw = bytearray(shard.read_bytes())
+    header_length = int.from_bytes(raw[:8], "little")
+    begin, _ = json.loads(raw[8 : 8 + header_length])[tensor]["data_offsets"]
+    raw[8 + header_length + begin + byte] ^= 0x40
+    shard.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("tensor, byte", [("aux_hidden_states", 2), ("input_ids", 7)])
+def test_train_refuses_a_corrupt_shard_in_one_line(tmp_path, capsys, tensor, byte):
+    """Issue 10.7: a flipped byte in the hidden states (trained silently before) or in input_ids (an IndexError
+    traceback before) is refused before training, naming the shard and the fix."""
+    from dspark_hf.cli import main
+
+    world = tiny_world()
+    cache = tmp_path / "cache"
+    shutil.copytree(world["train"], cache)
+    _flip_byte_in(cache / "shard-00000.safetensors", tensor, byte)
+    code = main(["train", "--output-dir", str(tmp_path / "out"), "--train-cache", str(cache), "--target", world["target"],
+                 "--draft-vocab", world["vocab"], "--max-steps", "2", "--no-progress", "--report-to", "none",
+                 "--drafter-config", *[f"{k}={v}" for k, v in DRAFTER.items()]])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dspark-hf train: error")]
+    assert code == 1 and len(errors) == 1
+    assert "shard-00000.safetensors is corrupt" in errors[0] and "rerun `dspark-hf cache`" in errors[0]
+    assert not (tmp_path / "out" / "training_args.json").exists()
+
+
+def test_failed_train_leaves_no_training_args(tmp_path):
+    """Issue 10.8: a run that fails before its first checkpoint leaves no training_args.json behind."""
+    args = tiny_args(tmp_path / "nan", max_steps=10, learning_rate=1e30, warmup_steps=0, eval_cache=None)
+    with pytest.raises(TrainingDivergedError, match="no checkpoint had been written yet"):
+        train(args)
+    assert not (tmp_path / "nan" / "training_args.json").exists()
+
+
+def test_train_refuses_a_cache_of_another_model_of_the_same_shape(tmp_path, capsys):
+    """Issue 10.9: the manifest's target name and revision are compared with --target."""
+    from dspark_hf.cli import main
+
+    world = tiny_world()
+    other = LlamaForCausalLM.from_pretrained(world["target"])
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+    other.save_pretrained(tmp_path / "other")
+    code = main(["train", "--output-dir", str(tmp_path / "out"), "--train-cache", world["train"], "--target",
+                 str(tmp_path / "other"), "--draft-vocab", world["vocab"], "--max-steps", "2", "--no-progress",
+                 "--report-to", "none", "--drafter-config", *[f"{k}={v}" for k, v in DRAFTER.items()]])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dspark-hf train: error")]
+    assert code == 1 and len(errors) == 1
+    assert "captured from another model" in errors[0] and str(tmp_path / "other") in errors[0]
+    # the same weights under another path and dtype are the same target
+    LlamaForCausalLM.from_pretrained(world["target"], dtype=torch.bfloat16).save_pretrained(tmp_path / "copy")
+    from dspark_hf.cache import HiddenStateCache as Cache
+    from dspark_hf.data import load_target_model
+
+    Cache(world["train"]).check_target(load_target_model(str(tmp_path / "copy")))

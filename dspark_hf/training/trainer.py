@@ -174,7 +174,10 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     return max(found, key=checkpoint_step) if found else None
 
 
-def save_checkpoint(accelerator, model, state: TrainerState, output_dir: Path, metrics: dict | None = None) -> Path:
+def save_checkpoint(accelerator, model, state: TrainerState, output_dir: Path, args: TrainingArguments,
+                    metrics: dict | None = None) -> Path:
+    """`save_state` plus a loadable drafter, under a temporary name renamed when complete. `training_args.json` is
+    written with the first checkpoint, so a run that fails before it ever saved anything leaves no trace of itself."""
     root = output_dir / CHECKPOINTS
     final = root / f"checkpoint-{state.step}"
     staging = root / f".checkpoint-{state.step}.tmp"
@@ -188,8 +191,15 @@ def save_checkpoint(accelerator, model, state: TrainerState, output_dir: Path, m
         (staging / "trainer_state.json").write_text(json.dumps({**state.state_dict(), "metrics": metrics or {}}, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
+        _write_json_atomic(output_dir / "training_args.json", asdict(args))
     accelerator.wait_for_everyone()
     return final
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(json.dumps(payload, indent=2, default=str))
+    os.replace(staging, path)
 
 
 # ----------------------------------------------------------------------------------------------------------- setup
@@ -205,8 +215,9 @@ def make_accelerator(args: TrainingArguments, output_dir: Path) -> Accelerator:
 
 
 def open_caches(args: TrainingArguments) -> list[HiddenStateCache]:
-    """The training cache and, when given, the validation cache."""
-    return [HiddenStateCache(path) for path in (args.train_cache, args.eval_cache) if path]
+    """The training cache and, when given, the validation cache, each shard checked against the sha256 in its
+    manifest once, before anything reads it: a flipped byte is refused here, naming the shard and the fix."""
+    return [HiddenStateCache(path, verify=True) for path in (args.train_cache, args.eval_cache) if path]
 
 
 def make_model(accelerator, args: TrainingArguments, caches: list[HiddenStateCache]):
@@ -214,6 +225,8 @@ def make_model(accelerator, args: TrainingArguments, caches: list[HiddenStateCac
     LoRA adapters when asked. The loss reads plain copies of the head and t2d, exact under FSDP/DeepSpeed sharding."""
     with accelerator.main_process_first():
         target = load_target_model(args.target, dtype="float32") if args.target else None
+        for cache in caches if target is not None else []:
+            cache.check_target(target)
         model = build_drafter(args, caches[0].aux_hidden_state_layer_ids, log=accelerator.print, target=target)
     for cache in caches:
         cache.validate_against(model.config)
@@ -321,7 +334,7 @@ class TrainingLoop:
         return metrics
 
     def checkpoint(self, metrics: dict | None = None) -> Path:
-        self.last_checkpoint = save_checkpoint(self.accelerator, self.model, self.state, self.output_dir, metrics)
+        self.last_checkpoint = save_checkpoint(self.accelerator, self.model, self.state, self.output_dir, self.args, metrics)
         return self.last_checkpoint
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -412,9 +425,6 @@ def train(args: TrainingArguments) -> dict[str, Any]:
     accelerator.register_for_checkpointing(state)
     if args.resume:
         resume(accelerator, args, state)
-    if accelerator.is_main_process:
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.output_dir) / "training_args.json").write_text(json.dumps(asdict(args), indent=2, default=str))
     start_trackers(accelerator, args)
     accelerator.print(
         f"training {sum(p.numel() for p in trainable):,} parameters for {max_steps} steps "
