@@ -260,7 +260,7 @@ def resume_shards(output_dir: Path, manifest: dict) -> dict[str, dict]:
                     f"{manifest[key]!r}); use a new output directory or delete it to start over"
                 )
         done = {s["file"]: s for s in previous.get("shards", []) if (output_dir / s["file"]).is_file()}
-    for stale in output_dir.glob(".shard-*.tmp"):  # a shard interrupted mid-write
+    for stale in [*output_dir.glob(".shard-*.tmp"), *output_dir.glob(f".{MANIFEST}.*.tmp")]:  # killed mid-write
         stale.unlink()
     for k in range(manifest["num_shards"]):
         path = output_dir / shard_name(k)
@@ -520,7 +520,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--aux-layers",
         default=None,
         help="comma-separated aux layer ids, speculators convention (0 = embeddings, k = output of decoder layer "
-        "k-1); default: low/middle/high with the Kimi-K2.6 DSpark spacing",
+        "k-1); default: 1, (L-3)//2 and L-4 of an L-layer target (low, middle and high, the Kimi-K2.6 DSpark "
+        "spacing: [1, 29, 57] of 61 layers, [1, 10, 20] of 24). Change them to match a drafter you warm-start from "
+        "(its aux_hidden_state_layer_ids) or to try other depths; each extra layer adds tokens × d to the cache",
     )
     parser.add_argument("--split", default="train", choices=["train", "validation", "test", "all"], help="hash split to cache (default: train)")
     parser.add_argument("--limit", type=int, default=None, help="cache only the first N conversations of the split")

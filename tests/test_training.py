@@ -333,3 +333,36 @@ def test_train_refuses_a_cache_of_another_model_of_the_same_shape(tmp_path, caps
     from dspark_hf.data import load_target_model
 
     Cache(world["train"]).check_target(load_target_model(str(tmp_path / "copy")))
+
+
+def test_new_drafter_binds_target_embeddings_and_logs_without_a_bar(tmp_path, capsys):
+    """Issue 14.4: a new drafter's directory holds no copy of the target's embedding or head unless asked
+    (`--embed-target-copies`). Issue 14.5: with --no-progress, loss terms, τ and tokens/s reach the console at
+    --logging-steps."""
+    result = train(tiny_args(tmp_path / "bound", max_steps=4, logging_steps=2, eval_cache=None, progress=False))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 2/4", "step 4/4"]
+    for term in ("loss=", "ce=", "tv=", "bce=", "tau=", "tokens/s="):
+        assert term in lines[-1], term
+    bound = _weights(result["drafter"])
+    assert "embed_tokens.weight" not in bound and "lm_head.weight" not in bound
+    assert AutoModel.from_pretrained(result["drafter"], trust_remote_code=True).config.bind_target_embeddings
+
+    copies = train(tiny_args(tmp_path / "copies", max_steps=1, eval_cache=None, embed_target_copies=True))
+    stored = _weights(copies["drafter"])
+    target = LlamaForCausalLM.from_pretrained(tiny_world()["target"])
+    assert torch.equal(stored["embed_tokens.weight"], target.model.embed_tokens.weight)
+
+
+def test_help_says_how_the_default_aux_layers_are_chosen():
+    """Issue 14.6: `cache --aux-layers` and `train` help state the rule and when to change it."""
+    import argparse
+
+    from dspark_hf import cache
+    from dspark_hf.training import cli
+
+    for module in (cache, cli):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        text = " ".join(parser.format_help().split())
+        assert "(L-3)//2" in text and "L-4" in text and "warm-start" in text, module.__name__

@@ -1,7 +1,8 @@
 """The drafter `dspark-hf train` starts from: fitted to the target from scratch, or warm-started from a checkpoint.
 
 From scratch the config copies the target's geometry (one draft layer by default) and the embedding and LM head
-are bound from the target. A warm start reads a DSpark directory as it is and a z-lab DFlash directory through
+are bound from the target: the drafter's directory holds no copy of them (`bind_target_embeddings`) unless
+`--embed-target-copies` asks for one. A warm start reads a DSpark directory as it is and a z-lab DFlash directory through
 `formats.zlab` — the same mapping `dspark-hf convert --from zlab-dflash` uses — then adds the Markov and confidence
 heads if the checkpoint has none. The embedding and LM head stay frozen either way.
 """
@@ -144,6 +145,8 @@ def build_drafter(args, aux_layer_ids: list[int], log=print, target=None) -> DSp
         overrides["draft_vocab_size"] = vocab[0].numel()
     if target is None and args.target:
         target = load_target_model(args.target, dtype="float32")
+    # New drafters bind embed_tokens/lm_head from the target at attach time unless a runtime needs the copies.
+    overrides.setdefault("bind_target_embeddings", not args.embed_target_copies)
     if args.init_from:
         drafter = warm_start(Path(args.init_from), overrides, vocab, target, log)
     else:

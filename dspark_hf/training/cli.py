@@ -36,12 +36,18 @@ def _overrides(items: list[str]) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainingArguments(output_dir="", train_cache="")
     data = parser.add_argument_group("data")
-    data.add_argument("--train-cache", help="hidden-state cache to train on (`dspark-hf cache`)")
+    data.add_argument("--train-cache", help="hidden-state cache to train on (`dspark-hf cache`); the drafter reads the aux "
+                      "layers it was captured with: by default 1, (L-3)//2 and L-4 of an L-layer target (low, middle "
+                      "and high, the Kimi-K2.6 DSpark spacing); rebuild the cache with --aux-layers to match a drafter "
+                      "you warm-start from or to try other depths")
     data.add_argument("--eval-cache", help="held-out cache for periodic validation")
     data.add_argument("--output-dir", help="where checkpoints, logs and the final drafter go")
 
     init = parser.add_argument_group("initialisation")
-    init.add_argument("--target", help="target model directory (embeddings and LM head are copied from it)")
+    init.add_argument("--target", help="target model path or Hub id (its embeddings and LM head are bound into the drafter)")
+    init.add_argument("--embed-target-copies", action="store_true",
+                      help="also store the target's embedding and LM-head rows in the drafter's directory (for runtimes "
+                           "that cannot bind them from the target; default: bound at attach time, not stored)")
     init.add_argument("--draft-vocab", help="d2t/t2d file from `dspark-hf vocab` (default: full vocabulary)")
     init.add_argument("--init-from", help="warm start from a DSpark or z-lab DFlash checkpoint directory (heads added if absent)")
     init.add_argument("--mask-token-id", type=int, help="mask token of the block (default: the target's pad token)")

@@ -61,9 +61,10 @@ class TrainingArguments:
     train_cache: str
     eval_cache: str | None = None
     # Initialisation: from scratch (target + draft vocab) or warm start from a DSpark / z-lab DFlash checkpoint.
-    target: str | None = None  # target model directory: embed/head are copied from it (`bind_target`)
+    target: str | None = None  # target model directory: embed/head are bound from it (`bind_target`)
     draft_vocab: str | None = None  # d2t/t2d file from `dspark-hf vocab`; None = full vocabulary (or the checkpoint's)
     init_from: str | None = None  # existing drafter directory (warm start; heads added if absent)
+    embed_target_copies: bool = False  # also store the target's embedding and head rows in the drafter's directory
     drafter_config: dict[str, Any] = field(default_factory=dict)  # DSparkConfig overrides (layers, block_size, heads...)
     # LoRA adaptation of an existing drafter (only the adapter trains).
     lora: bool = False
@@ -324,6 +325,12 @@ class TrainingLoop:
         metrics.update({"train/lr": self.scheduler.get_last_lr()[0], "train/epoch": self.state.epoch})
         self.accelerator.log(metrics, step=self.state.step)
         self.progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", tau=f"{metrics['train/tau']:.3f}")
+        if not self.args.progress:  # no bar: the same numbers on the console
+            self.accelerator.print(
+                f"step {self.state.step}/{self.max_steps}: loss={metrics['train/loss']:.4f} "
+                f"(ce={metrics['train/ce_term']:.4f} tv={metrics['train/tv']:.4f} bce={metrics['train/bce']:.4f}) "
+                f"tau={metrics['train/tau']:.3f} tokens/s={metrics['train/tokens_per_s']:.0f} lr={metrics['train/lr']:.2e}"
+            )
         self.window.reset()
 
     def validate(self) -> dict[str, float]:
