@@ -415,6 +415,14 @@ class HiddenStateCache(torch.utils.data.Dataset):
             handle, _ = self._open(shard)
             yield {name: handle.get_tensor(name) for name in SHARD_TENSORS}
 
+    def token_ids(self) -> set[int]:
+        """Every token id that occurs in the cache (reads input_ids only, shard by shard)."""
+        seen: set[int] = set()
+        for shard in range(len(self.manifest["shards"])):
+            handle, _ = self._open(shard)
+            seen.update(torch.unique(handle.get_tensor("input_ids")).tolist())
+        return seen
+
     def __getstate__(self):  # DataLoader workers reopen their own memory maps
         state = dict(self.__dict__)
         state["_handles"], state["_offsets"] = {}, {}

@@ -366,3 +366,24 @@ def test_help_says_how_the_default_aux_layers_are_chosen():
         module.add_arguments(parser)
         text = " ".join(parser.format_help().split())
         assert "(L-3)//2" in text and "L-4" in text and "warm-start" in text, module.__name__
+
+
+def test_default_mask_token_comes_from_the_tokenizer_and_the_data(tmp_path):
+    """Issue 14.3: a target whose pad token is its end-of-turn token (SmolLM2's case) gets a special token that is
+    neither bos/eos/pad/unk nor ever seen in the training cache, instead of an error (or the end-of-turn token)."""
+    from dspark_hf.training.build import build_drafter
+
+    world = tiny_world()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    target = LlamaForCausalLM.from_pretrained(world["target"])
+    target.config.pad_token_id = target.config.eos_token_id = tokenizer.eos_token_id
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter_config = {k: v for k, v in DRAFTER.items() if k != "mask_token_id"}
+    cache = HiddenStateCache(world["train"])
+    drafter = build_drafter(tiny_args(tmp_path, target=str(tmp_path / "target"), drafter_config=drafter_config),
+                            AUX, cache=cache)
+    mask = drafter.config.mask_token_id
+    assert tokenizer.added_tokens_decoder[mask].special
+    assert mask not in {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    assert mask not in cache.token_ids() and tokenizer.eos_token_id in cache.token_ids()

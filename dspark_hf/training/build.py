@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from .. import DSparkConfig, DSparkForDrafting
-from ..data import load_target_model
+from ..assets import smollm2_path
+from ..data import SMOLLM2_ALIASES, load_target_model
 from ..formats.toolkit import DraftCheckpoint, load_tensors
 from ..formats.zlab import read_zlab_dflash
 from ..vocab import full_draft_vocab, load_draft_vocab
@@ -67,6 +69,48 @@ def _pad_as_mask_token(text_config) -> int:
             "--mask-token-id (an unused or reserved token id of the target tokenizer)."
         )
     return pad
+
+
+SPECIAL_ROLES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "sep_token_id", "cls_token_id")
+RESERVED_NAMES = ("mask", "reserved", "unused")
+
+
+def default_mask_token(tokenizer, target, used_ids: set[int]) -> int:
+    """The mask token a new drafter fills its block with: a special token the data never contains.
+
+    In order: the tokenizer's own mask token, else the first special token named reserved/unused/mask, else the
+    added special token with the highest id. Never bos/eos/pad/unk/sep/cls (of the tokenizer, the target config or
+    its generation config) and never an id in `used_ids` (the training cache's tokens, which holds every end-of-turn
+    and template token the data pipeline treats specially).
+    """
+    excluded = set(used_ids)
+    for source in (tokenizer, target.config.get_text_config(), getattr(target, "generation_config", None)):
+        for role in SPECIAL_ROLES:
+            value = getattr(source, role, None)
+            excluded.update(value if isinstance(value, (list, tuple)) else [] if value is None else [value])
+    vocab_size = target.config.get_text_config().vocab_size
+    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id not in excluded:
+        return int(tokenizer.mask_token_id)
+    added = tokenizer.added_tokens_decoder
+    special = sorted(i for i, token in added.items() if token.special and i not in excluded and i < vocab_size)
+    reserved = [i for i in special if any(name in added[i].content.lower() for name in RESERVED_NAMES)]
+    if reserved or special:
+        return (reserved or special[::-1])[0]
+    raise ValueError(
+        "the target tokenizer has no special token that is not bos/eos/pad/unk and never occurs in the training cache; "
+        "pass --mask-token-id (an unused or reserved token id of the target tokenizer)."
+    )
+
+
+def _target_tokenizer(name_or_path: str):
+    path = smollm2_path() if name_or_path.lower() in SMOLLM2_ALIASES else name_or_path
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        raise ValueError(
+            f"--target {name_or_path} has no tokenizer to choose the drafter's mask token from; pass --mask-token-id "
+            "(an unused or reserved token id of the target tokenizer)."
+        ) from None
 
 
 def read_warm_start(source: Path) -> DraftCheckpoint:
@@ -126,10 +170,13 @@ def warm_start(source: Path, overrides: dict[str, Any], vocab, target, log=print
     return drafter
 
 
-def from_scratch(target, aux_layer_ids: list[int], overrides: dict[str, Any], vocab) -> DSparkForDrafting:
+def from_scratch(args, target, aux_layer_ids: list[int], overrides: dict[str, Any], vocab, cache=None) -> DSparkForDrafting:
     """A new drafter fitted to `target`, with its embedding and LM-head rows bound from it."""
     if target is None:
         raise ValueError("training from scratch needs --target (the target model directory) to copy its embeddings and LM head.")
+    if overrides.get("mask_token_id") is None:
+        used = cache.token_ids() if cache is not None else set()
+        overrides = {**overrides, "mask_token_id": default_mask_token(_target_tokenizer(args.target), target, used)}
     d2t, t2d = vocab if vocab is not None else full_draft_vocab(target.config.get_text_config().vocab_size)
     drafter = DSparkForDrafting(drafter_config_from_target(target, aux_layer_ids, **{**overrides, "draft_vocab_size": d2t.numel()}))
     drafter.set_draft_vocab(d2t, t2d)
@@ -137,8 +184,9 @@ def from_scratch(target, aux_layer_ids: list[int], overrides: dict[str, Any], vo
     return drafter
 
 
-def build_drafter(args, aux_layer_ids: list[int], log=print, target=None) -> DSparkForDrafting:
-    """From scratch (embed/head bound from the target, vocab from `load_draft_vocab`) or a warm start (`--init-from`)."""
+def build_drafter(args, aux_layer_ids: list[int], log=print, target=None, cache=None) -> DSparkForDrafting:
+    """From scratch (embed/head bound from the target, vocab from `load_draft_vocab`, mask token checked against
+    `cache`) or a warm start (`--init-from`)."""
     overrides = dict(args.drafter_config)
     vocab = load_draft_vocab(args.draft_vocab) if args.draft_vocab else None
     if vocab is not None:
@@ -150,10 +198,10 @@ def build_drafter(args, aux_layer_ids: list[int], log=print, target=None) -> DSp
     if args.init_from:
         drafter = warm_start(Path(args.init_from), overrides, vocab, target, log)
     else:
-        drafter = from_scratch(target, aux_layer_ids, overrides, vocab)
+        drafter = from_scratch(args, target, aux_layer_ids, overrides, vocab, cache)
     drafter.embed_tokens.weight.requires_grad_(False)
     drafter.lm_head.weight.requires_grad_(False)
     return drafter
 
 
-__all__ = ["DEFAULT_MARKOV_RANK", "build_drafter", "drafter_config_from_target", "read_warm_start", "warm_start_config"]
+__all__ = ["DEFAULT_MARKOV_RANK", "build_drafter", "default_mask_token", "drafter_config_from_target", "read_warm_start", "warm_start_config"]

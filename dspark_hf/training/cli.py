@@ -50,7 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "that cannot bind them from the target; default: bound at attach time, not stored)")
     init.add_argument("--draft-vocab", help="d2t/t2d file from `dspark-hf vocab` (default: full vocabulary)")
     init.add_argument("--init-from", help="warm start from a DSpark or z-lab DFlash checkpoint directory (heads added if absent)")
-    init.add_argument("--mask-token-id", type=int, help="mask token of the block (default: the target's pad token)")
+    init.add_argument("--mask-token-id", type=int,
+                      help="token filling the block's draft slots (default: from the target tokenizer: its mask token, "
+                           "else a reserved/unused special token, else the added special token with the highest id; "
+                           "never bos/eos/pad/unk and never a token that occurs in the training cache, such as the "
+                           "end-of-turn token)")
     init.add_argument("--num-draft-layers", type=int, help="draft transformer layers (default 1)")
     init.add_argument("--block-size", type=int, help="slots per block, anchor included (default 8)")
     init.add_argument("--sample-from-anchor", action="store_true", default=None, help="DSpark-paper slot convention (B drafts)")

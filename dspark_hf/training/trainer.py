@@ -228,7 +228,8 @@ def make_model(accelerator, args: TrainingArguments, caches: list[HiddenStateCac
         target = load_target_model(args.target, dtype="float32") if args.target else None
         for cache in caches if target is not None else []:
             cache.check_target(target)
-        model = build_drafter(args, caches[0].aux_hidden_state_layer_ids, log=accelerator.print, target=target)
+        model = build_drafter(args, caches[0].aux_hidden_state_layer_ids, log=accelerator.print, target=target,
+                              cache=caches[0])
     for cache in caches:
         cache.validate_against(model.config)
     head_weight = model.lm_head.weight.detach().clone().to(accelerator.device)  # (V_d, d)
