@@ -33,16 +33,7 @@ def _overrides(items: list[str]) -> dict:
     return overrides
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = TrainingArguments(output_dir="", train_cache="")
-    data = parser.add_argument_group("data")
-    data.add_argument("--train-cache", help="hidden-state cache to train on (`dspark-hf cache`); the drafter reads the aux "
-                      "layers it was captured with: by default 1, (L-3)//2 and L-4 of an L-layer target (low, middle "
-                      "and high, the Kimi-K2.6 DSpark spacing); rebuild the cache with --aux-layers to match a drafter "
-                      "you warm-start from or to try other depths")
-    data.add_argument("--eval-cache", help="held-out cache for periodic validation")
-    data.add_argument("--output-dir", help="where checkpoints, logs and the final drafter go")
-
+def _add_initialisation_arguments(parser: argparse.ArgumentParser) -> None:
     init = parser.add_argument_group("initialisation")
     init.add_argument("--target", help="target model path or Hub id (its embeddings and LM head are bound into the drafter)")
     init.add_argument("--embed-target-copies", action="store_true",
@@ -63,6 +54,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     init.add_argument("--no-confidence-head", action="store_true", help="train without the confidence head")
     init.add_argument("--drafter-config", nargs="*", metavar="KEY=VALUE", default=[],
                       help="any other DSparkConfig field, e.g. intermediate_size=1536 (values parsed as JSON)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = TrainingArguments(output_dir="", train_cache="")
+    data = parser.add_argument_group("data")
+    data.add_argument("--train-cache", help="hidden-state cache to train on (`dspark-hf cache`); the drafter reads the aux "
+                      "layers it was captured with: by default 1, (L-3)//2 and L-4 of an L-layer target (low, middle "
+                      "and high, the Kimi-K2.6 DSpark spacing); rebuild the cache with --aux-layers to match a drafter "
+                      "you warm-start from or to try other depths")
+    data.add_argument("--eval-cache", help="held-out cache for periodic validation")
+    data.add_argument("--output-dir", help="where checkpoints, logs and the final drafter go")
+
+    _add_initialisation_arguments(parser)
 
     lora = parser.add_argument_group("LoRA")
     lora.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters on the draft layers only")
