@@ -19,7 +19,8 @@ import torch
 
 from dspark_hf.assets import load_smollm2
 from dspark_hf.cache import DTYPES, HiddenStateCache, build_cache, default_aux_layer_ids
-from dspark_hf.data import chitchat_conversations, split_conversations, tokenize_conversations
+from dspark_hf.corpora import chitchat_conversations
+from dspark_hf.data import split_conversations, tokenize_conversations
 
 
 def cpu_model() -> str:

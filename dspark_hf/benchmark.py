@@ -32,8 +32,11 @@ from typing import Any
 
 import torch
 
-from .evaluation import (drafter_name, encode_prompt, live_acceptance, load_drafter, machine_description,
-                         merge_generation_stats, plot_domain_acceptance, set_threads, timed_generate)
+from . import DSparkContextCache
+from .data import load_conversations, load_target, resolve_target, split_conversations
+from .evaluation import (drafter_name, encode_prompt, live_acceptance, load_drafter, merge_generation_stats,
+                         plot_domain_acceptance, timed_generate)
+from .reporting import emit_report, machine_description, set_threads
 
 ALL_METHODS = ["plain", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark", "dspark-conf"]
 DEFAULT_METHODS = ["plain", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark"]
@@ -59,8 +62,6 @@ def truncated_assistant(target, num_layers: int):
 def drafter_overhead(target, drafter, inputs: dict[str, torch.Tensor], repeats: int = 20, commit: int = 4) -> dict[str, float]:
     """Median time of one drafting round (extend the drafter context by `commit` positions, one parallel pass and the
     Markov loop over B-1 drafts) vs one verify pass (target forward of B tokens on a cache of the same context)."""
-    from . import DSparkContextCache
-
     aux_ids = list(drafter.config.aux_hidden_state_layer_ids)
     ids = inputs["input_ids"]
     n = ids.shape[1]
@@ -129,8 +130,6 @@ def domain_prompts(spec: str, split: str, limit: int) -> list[list[dict]]:
     """Prompts of one domain, `SOURCE[:SPLIT[:TURNS]]`: the first `limit` conversations of SPLIT (default `split`;
     `all` for a corpus never trained on, such as humaneval). TURNS > 1 keeps the conversation up to its TURNS-th
     user turn, earlier replies included, so long multi-turn contexts are measured as users send them."""
-    from .data import load_conversations, split_conversations
-
     source, _, rest = spec.partition(":")
     chosen_split, _, turns = rest.partition(":")
     chosen_split, turns = chosen_split or split, int(turns or 1)
@@ -200,8 +199,6 @@ def summarize_runs(runs: dict[str, dict[str, Any]], do_sample: bool) -> dict[str
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    from .data import load_target, resolve_target
-
     set_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load_target(resolve_target(args.target, args.model), dtype=args.dtype)
@@ -311,8 +308,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import emit_report
-
     emit_report(benchmark(args), args.json, format_report)
     return 0
 

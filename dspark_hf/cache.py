@@ -13,8 +13,10 @@ Layout of `<dir>` (other modules read it; keep it stable):
   shard-00000.safetensors  packed samples: input_ids int64 [ΣT], loss_mask uint8 [ΣT],
                            aux_hidden_states [ΣT, m·d], final_hidden_state [ΣT, d], offsets int64 [n+1]
 
-`target_revision` is the Hub commit hash when transformers knows it, else ``sha256:<hex>`` of the target's config
-JSON and its first weight tensor (cheap, and changes whenever the checkpoint does).
+`target_revision` is the Hub commit hash when transformers knows it, else ``sha256:<hex>`` of the target's first and
+last weight tensors rounded to bfloat16 (cheap, changes whenever the weights do, and stays the same whatever path or
+dtype the same weights are loaded from). `train` refuses a cache whose target name and revision both differ from
+its `--target`.
 
 Resumable after kill -9: sample i always lands in shard i // shard_size, a shard is written to a temp name and
 renamed, finished shards are never rewritten, and the manifest is rewritten atomically after each shard, so a
@@ -36,6 +38,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+
+from .data import check_dataset, load_conversations, load_target, select_conversations, tokenize_conversations
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -72,14 +76,16 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
 
 
 def target_revision(model) -> str:
-    """Hub commit hash if known, else sha256 of the config JSON + the first weight tensor (see module docstring)."""
+    """Hub commit hash if known, else sha256 of the first and last weight tensors (see module docstring)."""
     commit = getattr(model.config, "_commit_hash", None)
     if commit:
         return str(commit)
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    name, tensor = next(iter(model.state_dict().items()))
-    digest.update(name.encode())
-    digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    digest = hashlib.sha256()
+    state = model.state_dict()
+    for name in dict.fromkeys((next(iter(state)), next(reversed(state)))):
+        digest.update(name.encode())
+        # bf16 rounding: the same weights loaded in float32 or bfloat16 give the same revision
+        digest.update(state[name].detach().to("cpu", torch.bfloat16).view(torch.int16).contiguous().numpy().tobytes())
     return "sha256:" + digest.hexdigest()
 
 
@@ -182,13 +188,24 @@ def build_cache(
     `conversations` are normalized conversations (see `dspark_hf.data`); `aux_layer_ids` use the speculators
     convention. Returns the final manifest.
     """
-    from .data import tokenize_conversations
-
     if dtype not in DTYPES:
         raise ValueError(f"cache dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     if shard_size < 1 or batch_size < 1:
         raise ValueError(f"shard_size={shard_size} and batch_size={batch_size} must be >= 1")
-    hidden_size, vocab_size, num_layers = _target_geometry(model)
+    aux_layer_ids = _checked_aux_layers(aux_layer_ids, _target_geometry(model)[2])
+    samples = tokenize_conversations(tokenizer, conversations, max_length=max_length)
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    manifest = new_manifest(model, samples, aux_layer_ids, dtype, shard_size, max_length)
+    done = resume_shards(output_dir, manifest)
+    todo = [k for k in range(manifest["num_shards"]) if shard_name(k) not in done]
+    check_disk_space(output_dir, manifest, samples, todo, log)
+    _publish(output_dir, manifest, done)
+    capture_shards(model, samples, todo, output_dir, manifest, done, batch_size, progress)
+    return manifest
+
+
+def _checked_aux_layers(aux_layer_ids: list[int] | None, num_layers: int) -> list[int]:
     aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(num_layers)
     bad = [i for i in aux_layer_ids if not 0 <= i <= num_layers]
     if bad:
@@ -196,12 +213,17 @@ def build_cache(
             f"aux layer ids {bad} are outside the target's hidden states [0, {num_layers}] "
             f"({num_layers} decoder layers; speculators convention, 0 = embeddings); pick ids in that range"
         )
-    samples = tokenize_conversations(tokenizer, conversations, max_length=max_length)
-    num_shards = (len(samples) + shard_size - 1) // shard_size
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    return aux_layer_ids
 
-    manifest = {
+
+def _shard_samples(samples: list, k: int, shard_size: int) -> list:
+    return samples[k * shard_size : (k + 1) * shard_size]
+
+
+def new_manifest(model, samples, aux_layer_ids: list[int], dtype: str, shard_size: int, max_length: int | None) -> dict:
+    """The manifest of a cache not yet captured (the settings a resumed cache must match, no shards)."""
+    hidden_size, vocab_size, num_layers = _target_geometry(model)
+    return {
         "format_version": FORMAT_VERSION,
         "target": getattr(model, "name_or_path", None) or model.config.name_or_path,
         "target_revision": target_revision(model),
@@ -213,43 +235,54 @@ def build_cache(
         "shard_size": shard_size,
         "max_length": max_length,
         "inputs_sha256": _inputs_digest(samples),
-        "num_shards": num_shards,
+        "num_shards": (len(samples) + shard_size - 1) // shard_size,
         "num_samples": 0,
         "num_tokens": 0,
         "shards": [],
         "complete": False,
     }
+
+
+RESUME_KEYS = ("target", "target_revision", "aux_hidden_state_layer_ids", "dtype", "shard_size", "max_length", "inputs_sha256")
+
+
+def resume_shards(output_dir: Path, manifest: dict) -> dict[str, dict]:
+    """Shard entries already on disk for the same settings: from the previous manifest, plus shards renamed into
+    place after a kill but before the manifest caught up (adopted, never rewritten). Half-written temp files go."""
     done: dict[str, dict] = {}
     manifest_path = output_dir / MANIFEST
     if manifest_path.is_file():
         previous = json.loads(manifest_path.read_text())
-        for key in ("target", "target_revision", "aux_hidden_state_layer_ids", "dtype", "shard_size", "max_length", "inputs_sha256"):
+        for key in RESUME_KEYS:
             if previous.get(key) != manifest[key]:
                 raise ValueError(
                     f"{output_dir} already holds a cache with a different {key} ({previous.get(key)!r} vs "
                     f"{manifest[key]!r}); use a new output directory or delete it to start over"
                 )
         done = {s["file"]: s for s in previous.get("shards", []) if (output_dir / s["file"]).is_file()}
-    for stale in output_dir.glob(".shard-*.tmp"):  # a shard interrupted mid-write
+    for stale in [*output_dir.glob(".shard-*.tmp"), *output_dir.glob(f".{MANIFEST}.*.tmp")]:  # killed mid-write
         stale.unlink()
-
-    todo = [k for k in range(num_shards) if shard_name(k) not in done]
-    for k in list(todo):  # renamed but killed before the manifest caught up: adopt it, never rewrite it
+    for k in range(manifest["num_shards"]):
         path = output_dir / shard_name(k)
-        if path.is_file():
+        if path.name not in done and path.is_file():
             try:
                 done[path.name] = _shard_entry(path)
-                todo.remove(k)
             except Exception:
                 path.unlink()
+    return done
 
+
+def check_disk_space(output_dir: Path, manifest: dict, samples: list, todo: list[int], log=print) -> None:
+    """Log what the cache holds and costs; refuse before capturing when the disk cannot hold the shards still to do."""
+    aux, d, dtype = len(manifest["aux_hidden_state_layer_ids"]), manifest["hidden_size"], manifest["dtype"]
     total_tokens = sum(len(s["input_ids"]) for s in samples)
-    todo_tokens = sum(len(s["input_ids"]) for k in todo for s in samples[k * shard_size : (k + 1) * shard_size])
-    need = estimate_bytes(todo_tokens, len(aux_layer_ids), hidden_size, dtype)
+    todo_tokens = sum(len(s["input_ids"]) for k in todo for s in _shard_samples(samples, k, manifest["shard_size"]))
+    need = estimate_bytes(todo_tokens, aux, d, dtype)
     free = shutil.disk_usage(output_dir).free
     log(
-        f"cache: {len(samples)} samples, {total_tokens} tokens, {num_shards} shards ({len(todo)} to compute); "
-        f"aux layers {aux_layer_ids}, d={hidden_size}, {dtype}: ~{estimate_bytes(total_tokens, len(aux_layer_ids), hidden_size, dtype) / 2**30:.3f} GiB "
+        f"cache: {len(samples)} samples, {total_tokens} tokens, {manifest['num_shards']} shards ({len(todo)} to compute); "
+        f"aux layers {manifest['aux_hidden_state_layer_ids']}, d={d}, {dtype}: "
+        f"~{estimate_bytes(total_tokens, aux, d, dtype) / 2**30:.3f} GiB "
         f"(tokens × (m+1) × d × bytes), {need / 2**30:.3f} GiB still to write, {free / 2**30:.1f} GiB free"
     )
     if need > free:
@@ -258,19 +291,27 @@ def build_cache(
             f"{free / 2**30:.2f} GiB is free; free space, pick another --output, or cache fewer samples"
         )
 
-    def publish():
-        manifest["shards"] = [done[shard_name(k)] for k in range(num_shards) if shard_name(k) in done]
-        manifest["num_samples"] = sum(s["num_samples"] for s in manifest["shards"])
-        manifest["num_tokens"] = sum(s["num_tokens"] for s in manifest["shards"])
-        manifest["complete"] = len(manifest["shards"]) == num_shards
-        _write_json_atomic(manifest_path, manifest)
 
-    publish()
-    store_dtype = DTYPES[dtype]
+def _publish(output_dir: Path, manifest: dict, done: dict[str, dict]) -> None:
+    """Rewrite the manifest atomically with the shards finished so far."""
+    names = [shard_name(k) for k in range(manifest["num_shards"])]
+    manifest["shards"] = [done[name] for name in names if name in done]
+    manifest["num_samples"] = sum(s["num_samples"] for s in manifest["shards"])
+    manifest["num_tokens"] = sum(s["num_tokens"] for s in manifest["shards"])
+    manifest["complete"] = len(manifest["shards"]) == manifest["num_shards"]
+    _write_json_atomic(output_dir / MANIFEST, manifest)
+
+
+def capture_shards(model, samples, todo: list[int], output_dir: Path, manifest: dict, done: dict[str, dict],
+                   batch_size: int, progress: bool = True) -> None:
+    """Capture and write each missing shard, publishing the manifest after each one (resumable after kill -9)."""
+    shard_size, store_dtype = manifest["shard_size"], DTYPES[manifest["dtype"]]
+    aux_layer_ids = manifest["aux_hidden_state_layer_ids"]
     model.eval()
+    todo_tokens = sum(len(s["input_ids"]) for k in todo for s in _shard_samples(samples, k, shard_size))
     bar = tqdm(total=todo_tokens, unit="tok", desc="cache", disable=not progress)
     for k in todo:
-        shard_samples = samples[k * shard_size : (k + 1) * shard_size]
+        shard_samples = _shard_samples(samples, k, shard_size)
         # Batch by length inside the shard (less padding); the order is fixed, so a rerun computes the same bytes.
         order = sorted(range(len(shard_samples)), key=lambda i: (len(shard_samples[i]["input_ids"]), i))
         captured: list = [None] * len(shard_samples)
@@ -282,9 +323,8 @@ def build_cache(
         path = output_dir / shard_name(k)
         _write_shard(path, shard_samples, captured)
         done[path.name] = _shard_entry(path)
-        publish()
+        _publish(output_dir, manifest, done)
     bar.close()
-    return manifest
 
 
 # ------------------------------------------------------------------------------------------------------- reader
@@ -375,6 +415,14 @@ class HiddenStateCache(torch.utils.data.Dataset):
             handle, _ = self._open(shard)
             yield {name: handle.get_tensor(name) for name in SHARD_TENSORS}
 
+    def token_ids(self) -> set[int]:
+        """Every token id that occurs in the cache (reads input_ids only, shard by shard)."""
+        seen: set[int] = set()
+        for shard in range(len(self.manifest["shards"])):
+            handle, _ = self._open(shard)
+            seen.update(torch.unique(handle.get_tensor("input_ids")).tolist())
+        return seen
+
     def __getstate__(self):  # DataLoader workers reopen their own memory maps
         state = dict(self.__dict__)
         state["_handles"], state["_offsets"] = {}, {}
@@ -393,32 +441,77 @@ class HiddenStateCache(torch.utils.data.Dataset):
     def validate_against(self, config) -> None:
         """Refuse a cache captured from another target or other layers than the drafter `config` expects."""
         m = self.manifest
-        expected = list(config.aux_hidden_state_layer_ids)
-        if expected != list(m["aux_hidden_state_layer_ids"]):
-            raise ValueError(
-                f"cache {self.path} holds aux layers {m['aux_hidden_state_layer_ids']} but the drafter expects "
-                f"{expected}; rebuild the cache with --aux-layers {','.join(map(str, expected))} or set "
-                f"aux_hidden_state_layer_ids={m['aux_hidden_state_layer_ids']} in the drafter config"
-            )
-        if config.target_hidden_size != m["hidden_size"]:
-            raise ValueError(
-                f"cache {self.path} was captured from a target with hidden size {m['hidden_size']} ({m['target']}) "
-                f"but the drafter expects target_hidden_size={config.target_hidden_size}; build the drafter for "
-                f"{m['target']} or cache the drafter's own target"
-            )
-        layers = getattr(config, "target_num_hidden_layers", None)
-        if layers is not None and layers != m["num_hidden_layers"]:
-            raise ValueError(
-                f"cache {self.path} was captured from a target with {m['num_hidden_layers']} layers ({m['target']}) "
-                f"but the drafter expects target_num_hidden_layers={layers}; build the drafter for {m['target']} "
-                "or cache the drafter's own target"
-            )
-        if config.vocab_size != m["vocab_size"]:
-            raise ValueError(
-                f"cache {self.path} was captured from a target with vocab size {m['vocab_size']} ({m['target']}) "
-                f"but the drafter has vocab_size={config.vocab_size}; build the drafter for {m['target']} or cache "
-                "the drafter's own target"
-            )
+        for field, key, problem, fix in VALIDATION_CHECKS:
+            expected = getattr(config, field, None)
+            if expected is None or _listed(expected) == _listed(m[key]):
+                continue
+            values = dict(path=self.path, cached=m[key], expected=_listed(expected), field=field, target=m["target"],
+                          ids=",".join(map(str, _listed(expected))) if isinstance(expected, (list, tuple)) else "")
+            raise ValueError(("cache {path} " + problem + " but the drafter expects " + fix).format(**values))
+
+    def check_target(self, model) -> None:
+        """Refuse a cache captured from another model: both its name and its revision differ from `model`'s."""
+        m = self.manifest
+        name, revision = getattr(model, "name_or_path", None) or model.config.name_or_path, target_revision(model)
+        if m["target"] == name or m["target_revision"] == revision:
+            return
+        raise ValueError(
+            f"cache {self.path} was captured from another model ({m['target']}, revision {m['target_revision'][:19]}) "
+            f"than --target {name} (revision {revision[:19]}); cache the target you train for with `dspark-hf cache "
+            f"--target {name}`, or pass the cache's own target"
+        )
+
+
+def _listed(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+_OWN_TARGET = "{field}={expected}; build the drafter for {target} or cache the drafter's own target"
+# (drafter config field, manifest key, what the cache holds, what the drafter expects and the fix), checked in order.
+VALIDATION_CHECKS = (
+    ("aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids", "holds aux layers {cached}",
+     "{expected}; rebuild the cache with --aux-layers {ids} or set aux_hidden_state_layer_ids={cached} in the drafter config"),
+    ("target_hidden_size", "hidden_size", "was captured from a target with hidden size {cached} ({target})", _OWN_TARGET),
+    ("target_num_hidden_layers", "num_hidden_layers", "was captured from a target with {cached} layers ({target})", _OWN_TARGET),
+    ("vocab_size", "vocab_size", "was captured from a target with vocab size {cached} ({target})", _OWN_TARGET),
+)
+
+
+class IndexedCache(torch.utils.data.Dataset):
+    """The cache with each sample's index attached (anchors are seeded by it)."""
+
+    def __init__(self, cache: HiddenStateCache):
+        self.cache = cache
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {**self.cache[index], "index": torch.tensor(index)}
+
+
+def collate_samples(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad a list of cached samples into one batch; padding is masked everywhere downstream."""
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples])  # (b,)
+    b, T = len(samples), int(lengths.max())
+    aux_width, d = samples[0]["aux_hidden_states"].shape[-1], samples[0]["final_hidden_state"].shape[-1]
+    batch = {
+        "input_ids": torch.zeros(b, T, dtype=torch.long),
+        "loss_mask": torch.zeros(b, T, dtype=torch.bool),
+        "attention_mask": torch.zeros(b, T, dtype=torch.long),
+        "aux_hidden_states": torch.zeros(b, T, aux_width, dtype=samples[0]["aux_hidden_states"].dtype),
+        "final_hidden_state": torch.zeros(b, T, d, dtype=samples[0]["final_hidden_state"].dtype),
+        "lengths": lengths,
+        "index": torch.stack([s["index"] for s in samples]),
+    }
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        batch["input_ids"][row, :n] = s["input_ids"]
+        batch["loss_mask"][row, :n] = s["loss_mask"]
+        batch["attention_mask"][row, :n] = 1
+        batch["aux_hidden_states"][row, :n] = s["aux_hidden_states"]
+        batch["final_hidden_state"][row, :n] = s["final_hidden_state"]
+    return batch
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI
@@ -435,7 +528,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--aux-layers",
         default=None,
         help="comma-separated aux layer ids, speculators convention (0 = embeddings, k = output of decoder layer "
-        "k-1); default: low/middle/high with the Kimi-K2.6 DSpark spacing",
+        "k-1); default: 1, (L-3)//2 and L-4 of an L-layer target (low, middle and high, the Kimi-K2.6 DSpark "
+        "spacing: [1, 29, 57] of 61 layers, [1, 10, 20] of 24). Change them to match a drafter you warm-start from "
+        "(its aux_hidden_state_layer_ids) or to try other depths; each extra layer adds tokens × d to the cache",
     )
     parser.add_argument("--split", default="all", choices=["train", "validation", "test", "all"],
                         help="hash split to cache (default: all; a regenerated file is already split)")
@@ -449,8 +544,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .data import check_dataset, load_conversations, load_target, select_conversations
-
     conversations = load_conversations(args.dataset)
     check_dataset(conversations, str(args.dataset))
     conversations = select_conversations(conversations, args.dataset, args.split, args.limit)

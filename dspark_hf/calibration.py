@@ -5,56 +5,26 @@ a_k = Π_{i≤k} c_i, so errors compound along the block. STS fixes that in orde
 already chosen, grid-search the T_k that minimizes the ECE of a_k = a_{k-1} · σ(logit_k / T_k) against observed
 survival. The temperatures go into the checkpoint's `confidence_temperatures`, which `draft_block` applies.
 
-Rollouts are teacher-forced on a held-out cache: anchors as in training (all valid ones up to `max_anchors` per
-sample, fixed seed), the drafter's Markov-corrected q_k against the target's p_k, so draft k would be accepted by
-speculative sampling with probability 1 - TV_k given that drafts before it were. Labels are **sampled**
-acceptances: each draw accepts draft k with probability 1 - TV_k and survival ends at the first rejection (binary
-events, so AUC is defined; several draws per block reduce the noise). A slot whose label lies outside the assistant
-span counts as a rejection, and blocks that cannot reach position k at all are left out of position k's ECE.
+Rollouts come from `dspark_hf.rollouts` (teacher-forced on a held-out cache, with sampled survival events, so AUC
+is defined; several draws per block reduce the noise). Blocks that cannot reach position k at all are left out of
+position k's ECE.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from . import DSparkForDrafting
+from .cache import HiddenStateCache
+from .data import load_target_model
 from .metrics import expected_calibration_error, roc_auc
+from .rollouts import Rollouts, collect_rollouts
 
 DEFAULT_GRID = torch.logspace(-1.5, 1.5, 121).tolist()  # 0.03 .. 31.6
-
-
-@dataclass
-class Rollouts:
-    """Teacher-forced blocks of a held-out cache."""
-
-    confidence_logits: torch.Tensor  # (M, N) raw (temperature 1) confidence logits
-    accept: torch.Tensor  # (M, N) 1 - TV_k
-    slot_mask: torch.Tensor  # (M, N) bool, label inside the assistant span
-    survived: torch.Tensor  # (M, R, N) bool sampled survival events
-
-    def reachable(self) -> torch.Tensor:
-        """(M, N) bool: block can get to position k at all (no masked slot before or at k)."""
-        return torch.cumprod(self.slot_mask.long(), dim=-1).bool()
-
-
-@torch.no_grad()
-def collect_rollouts(model, cache, max_anchors: int = 256, draws: int = 8, seed: int = 0, batch_size: int = 4) -> Rollouts:
-    """Run the drafter teacher-forced over `cache` and record confidence logits, 1 - TV and sampled survival."""
-    from .evaluation import offline_acceptance
-
-    if model.confidence_head is None:
-        raise ValueError("this drafter has no confidence head (enable_confidence_head=False); there is nothing to calibrate.")
-    N = model.num_draft_tokens
-    blocks = offline_acceptance(model, cache, max_anchors=max_anchors, batch_size=batch_size, seed=seed)
-    confidence_logits, accept, slot = blocks["confidence_logits"], blocks["accept"], blocks["mask"]
-    generator = torch.Generator().manual_seed(seed)
-    accepted = torch.rand(accept.shape[0], draws, N, generator=generator) < accept[:, None, :]  # (M, R, N)
-    survived = torch.cumprod((accepted & slot[:, None, :]).long(), dim=-1).bool()
-    return Rollouts(confidence_logits, accept, slot, survived)
 
 
 def survival_predictions(rollouts: Rollouts, temperatures: list[float]) -> torch.Tensor:
@@ -117,14 +87,9 @@ def calibrate(model_dir: str, cache_dir: str, output_dir: str | None = None, eva
 
     The report is computed on `eval_cache_dir` when given (held-out rollouts), else on the fitting rollouts.
     """
-    from . import DSparkForDrafting
-    from .cache import HiddenStateCache
-
     model = DSparkForDrafting.from_pretrained(model_dir, dtype=torch.float32)
     if target is not None:
-        from .training.trainer import load_target_model
-
-        model.bind_target(load_target_model(target))
+        model.bind_target(load_target_model(target, dtype="float32"))
     caches = {"fit": HiddenStateCache(cache_dir)}
     if eval_cache_dir:
         caches["report"] = HiddenStateCache(eval_cache_dir)

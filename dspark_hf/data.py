@@ -19,6 +19,8 @@ from typing import Iterable
 
 import torch
 
+from .corpora import CORPORA
+
 ROLES = ("system", "user", "assistant")
 # ShareGPT speaker names -> roles.
 SHAREGPT_ROLES = {
@@ -123,65 +125,8 @@ def write_jsonl(path: str | os.PathLike, conversations: Iterable[Conversation]) 
 
 
 # -------------------------------------------------------------------------------------------- real corpora (ASSETS)
-def chitchat_conversations(path: str | os.PathLike | None = None) -> list[Conversation]:
-    """chitchat `dataset.json` -> conversations. The first speaker is the user; the human replies are kept as
-    placeholder assistant turns (regeneration replaces them)."""
-    if path is None:
-        from .assets import chitchat_json_path
-
-        path = chitchat_json_path()
-    with open(path, encoding="utf-8") as handle:
-        chats = json.load(handle)
-    conversations = []
-    for chat_id in sorted(chats):
-        turns = chats[chat_id].get("messages") or []  # [[{text, sender}, ...] per turn]
-        messages, first_sender = [], None
-        for turn in turns:
-            if not turn:
-                continue
-            first_sender = first_sender or turn[0]["sender"]
-            role = "user" if turn[0]["sender"] == first_sender else "assistant"
-            text = "\n".join(u["text"].strip() for u in turn if u.get("text", "").strip())
-            if not text:
-                continue
-            if messages and messages[-1]["role"] == role:  # merge consecutive turns of one speaker
-                messages[-1]["content"] += "\n" + text
-            else:
-                messages.append({"role": role, "content": text})
-        if any(m["role"] == "user" for m in messages):
-            conversations.append({"id": f"chitchat/{chat_id}", "messages": messages})
-    return conversations
-
-
-def chatterbot_conversations(directory: str | os.PathLike | None = None) -> list[Conversation]:
-    """chatterbot YAML dialogues -> conversations (turns alternate user, assistant, user, ...)."""
-    import yaml
-
-    if directory is None:
-        from .assets import chatterbot_corpus_dir
-
-        directory = chatterbot_corpus_dir()
-    conversations = []
-    for file in sorted(Path(directory).glob("*.yml")):
-        with open(file, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle) or {}
-        for index, dialogue in enumerate(data.get("conversations") or []):
-            texts = [str(t).strip() for t in (dialogue or []) if t is not None and str(t).strip()]
-            if not texts:
-                continue
-            messages = [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(texts)]
-            conversations.append({"id": f"chatterbot/{file.stem}/{index}", "messages": messages})
-    return conversations
-
-
 def load_conversations(source: str | os.PathLike) -> list[Conversation]:
-    """A JSONL path, or a built-in corpus by name: `chitchat`, `chatterbot`, or one of `corpora.CORPORA`."""
-    if str(source) == "chitchat":
-        return chitchat_conversations()
-    if str(source) == "chatterbot":
-        return chatterbot_conversations()
-    from .corpora import CORPORA
-
+    """A JSONL path, or a built-in corpus by name (`corpora.CORPORA`: chitchat, chatterbot, wordnet-nouns, ...)."""
     if str(source) in CORPORA:
         return CORPORA[str(source)]()
     return read_jsonl(source)

@@ -22,47 +22,27 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import DSparkConfig, DSparkForDrafting
+from .cache import HiddenStateCache
+from .calibration import calibration_report, survival_predictions
+from .data import load_conversations, load_target, resolve_target, split_conversations
 from .metrics import brier_score, per_position_acceptance, survival, tau
+from .reporting import emit_report, machine_description, set_threads
+from .rollouts import offline_acceptance, rollouts_from_blocks
 
 DEFAULT_PROMPT_SOURCES = ("chitchat",)
-
-
-# ------------------------------------------------------------------------------------------------ environment
-def machine_description() -> str:
-    """CPU model, cores and torch threads (and the GPU if one is used): printed with every table."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    text = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} thread(s)"
-    if torch.cuda.is_available():
-        text += f", GPU {torch.cuda.get_device_name(0)}"
-    return text
-
-
-def set_threads(threads: int | None) -> None:
-    if threads:
-        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------------- prompts
 def held_out_prompts(sources=DEFAULT_PROMPT_SOURCES, split: str = "test", limit: int = 8) -> list[list[dict]]:
     """First user turn of the first `limit` conversations of `split` (hash split by conversation id, never trained
     on), interleaving the given sources. Each prompt is a one-message chat."""
-    from .data import load_conversations, split_conversations
-
     per_source = []
     for source in sources:
         conversations = load_conversations(source)
@@ -89,43 +69,6 @@ def encode_prompt(tokenizer, messages: list[dict], device="cpu") -> dict[str, to
 
 
 # ---------------------------------------------------------------------------------------------------- offline
-@torch.no_grad()
-def offline_acceptance(model, cache, max_anchors: int = 10_000, batch_size: int = 4, max_samples: int | None = None,
-                       seed: int = 0) -> dict[str, torch.Tensor]:
-    """Teacher-forced 1 - TV_k of every (sampled) anchor block of `cache`: accept (M, N), mask (M, N), and the raw
-    confidence logits (M, N) when the drafter has a confidence head."""
-    from .training.anchors import sample_batch_anchors, slot_mask
-    from .training.losses import target_probabilities, total_variation
-    from .training.trainer import IndexedCache, collate_samples
-
-    model.eval()
-    N = model.num_draft_tokens
-    dataset = IndexedCache(cache)
-    count = len(dataset) if max_samples is None else min(max_samples, len(dataset))
-    device = model.fc.weight.device
-    accepts, masks, confidences = [], [], []
-    for start in range(0, count, batch_size):
-        batch = collate_samples([dataset[i] for i in range(start, min(start + batch_size, count))])
-        batch = {k: v.to(device) for k, v in batch.items()}
-        anchors, anchor_mask = sample_batch_anchors(batch["loss_mask"], batch["lengths"], batch["index"], N,
-                                                    max_anchors, seed, epoch=-1)
-        out = model(aux_hidden_states=batch["aux_hidden_states"], input_ids=batch["input_ids"],
-                    anchor_positions=anchors, attention_mask=batch["attention_mask"])
-        p = target_probabilities(batch["final_hidden_state"], out.label_positions, model.lm_head.weight)
-        tv = total_variation(torch.softmax(out.logits.float(), -1), p)  # (b, J, N)
-        keep = anchor_mask.bool()
-        accepts.append((1.0 - tv).clamp(0, 1)[keep].cpu())
-        masks.append(slot_mask(batch["loss_mask"], anchors, anchor_mask, N)[keep].cpu())
-        if out.confidence_logits is not None:
-            confidences.append(out.confidence_logits.float()[keep].cpu())
-    if not accepts or sum(a.shape[0] for a in accepts) == 0:
-        raise ValueError("the cache has no valid anchors (assistant tokens with a full block after them); use a larger cache.")
-    result = {"accept": torch.cat(accepts), "mask": torch.cat(masks)}
-    if confidences:
-        result["confidence_logits"] = torch.cat(confidences)
-    return result
-
-
 def offline_metrics(accept: torch.Tensor, mask: torch.Tensor, block_size: int) -> dict[str, Any]:
     """τ (out of B), τ/B, per-position conditional acceptance (mean 1 - TV_k) and mean cumulative survival."""
     t = tau(accept, mask)
@@ -146,13 +89,9 @@ def offline_metrics(accept: torch.Tensor, mask: torch.Tensor, block_size: int) -
 def calibration_metrics(confidence_logits: torch.Tensor, accept: torch.Tensor, mask: torch.Tensor,
                         temperatures: list[float], draws: int = 8, seed: int = 0) -> dict[str, Any]:
     """ECE/AUC/Brier of predicted survival vs sampled survival events, before (T = 1) and after STS."""
-    from .calibration import Rollouts, calibration_report, survival_predictions
-
     N = accept.shape[1]
-    generator = torch.Generator().manual_seed(seed)
-    accepted = torch.rand(accept.shape[0], draws, N, generator=generator) < accept[:, None, :]
-    survived = torch.cumprod((accepted & mask[:, None, :]).long(), dim=-1).bool()
-    rollouts = Rollouts(confidence_logits, accept, mask, survived)
+    rollouts = rollouts_from_blocks(confidence_logits, accept, mask, draws, seed)
+    survived = rollouts.survived
     out: dict[str, Any] = {"temperatures": list(temperatures)}
     for name, temps in (("before", [1.0] * N), ("after", list(temperatures))):
         report = calibration_report(rollouts, temps)
@@ -390,16 +329,12 @@ def format_report(report: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------------- driver
 def drafter_name(model_dir: str) -> str:
     """"DSpark drafter for <target> (<folder>)" from the checkpoint's config: plot titles name the drafter."""
-    from . import DSparkConfig
-
     config = DSparkConfig.from_pretrained(model_dir)
     return f"DSpark drafter for {config.verifier_name_or_path or 'its target'} ({Path(model_dir).name})"
 
 
 def load_drafter(path: str, target=None, dtype: torch.dtype = torch.float32):
     """A drafter from a directory, bound to `target` if its checkpoint omits the frozen embed/head."""
-    from . import DSparkForDrafting
-
     drafter = DSparkForDrafting.from_pretrained(path, dtype=dtype).eval()
     if target is not None and drafter.config.bind_target_embeddings:
         drafter.bind_target(target)
@@ -407,8 +342,6 @@ def load_drafter(path: str, target=None, dtype: torch.dtype = torch.float32):
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
-    from .data import load_target, resolve_target
-
     args.target = resolve_target(args.target, args.model)
     set_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -419,8 +352,6 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     curves: dict[str, dict[str, list]] = {}
 
     if args.cache:
-        from .cache import HiddenStateCache
-
         target32, _ = load_target(args.target, dtype="float32")
         drafter = load_drafter(args.model, target32, torch.float32)
         cache = HiddenStateCache(args.cache)
@@ -481,8 +412,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import emit_report
-
     emit_report(evaluate(args), args.json, format_report)
     return 0
 
@@ -491,7 +420,6 @@ __all__ = [
     "calibration_metrics",
     "evaluate",
     "held_out_prompts",
-    "machine_description",
     "offline_acceptance",
     "offline_metrics",
     "online_metrics",

@@ -16,6 +16,10 @@ from typing import Iterable
 import torch
 from safetensors.torch import load_file, save_file
 
+from .assets import smollm2_path
+from .cache import HiddenStateCache
+from .data import load_conversations, split_conversations, tokenize_conversations
+
 
 def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top `draft_vocab_size` ids by (-count, id), padded with the smallest unused ids, sorted ascending.
@@ -50,8 +54,6 @@ def full_draft_vocab(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 def count_assistant_tokens(source, vocab_size: int | None = None) -> torch.Tensor:
     """Frequencies [V_t] of tokens with loss_mask == 1, over a `HiddenStateCache` (read shard by shard, ids and
     mask only) or any iterable of {input_ids, loss_mask} samples (e.g. `data.tokenize_conversations`)."""
-    from .cache import HiddenStateCache
-
     if isinstance(source, HiddenStateCache):
         vocab_size = vocab_size or int(source.manifest["vocab_size"])
         counts = torch.zeros(vocab_size, dtype=torch.int64)
@@ -115,8 +117,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.full and args.draft_vocab_size is None:
         raise ValueError("pass --draft-vocab-size N (or --full for the whole vocabulary)")
     if args.cache:
-        from .cache import HiddenStateCache
-
         cache = HiddenStateCache(args.cache)
         vocab_size = int(cache.manifest["vocab_size"])
         counts = count_assistant_tokens(cache)
@@ -125,12 +125,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--dataset needs --target (its tokenizer and chat template find the assistant tokens)")
         from transformers import AutoConfig, AutoTokenizer
 
-        from .data import load_conversations, split_conversations, tokenize_conversations
-
         path = args.target
         if args.target.lower() in ("smollm2", "huggingfacetb/smollm2-135m-instruct"):
-            from .assets import smollm2_path
-
             path = smollm2_path()
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path)

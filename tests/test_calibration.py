@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_training import tiny_world, trained_run
-from transformers import AutoModel
+from transformers import AutoModel, LlamaForCausalLM
 
 from dspark_hf.calibration import calibrate, collect_rollouts, sequential_temperature_scaling, survival_predictions
 from dspark_hf.cache import HiddenStateCache
@@ -14,7 +14,8 @@ from dspark_hf.cache import HiddenStateCache
 
 def test_sts_lowers_ece_on_held_out_rollouts(tmp_path):
     world, run = tiny_world(), trained_run()
-    result = calibrate(run["drafter"], world["eval"], output_dir=tmp_path / "calibrated", eval_cache_dir=world["test"])
+    result = calibrate(run["drafter"], world["eval"], output_dir=tmp_path / "calibrated", eval_cache_dir=world["test"],
+                       target=world["target"])  # the trained drafter binds embed/head from the target
     before, after = result["before"]["ece"], result["after"]["ece"]
     print(f"temperatures {[round(t, 3) for t in result['temperatures']]}; held-out ECE per position "
           f"{[round(e, 4) for e in before]} -> {[round(e, 4) for e in after]}")
@@ -29,6 +30,7 @@ def test_sts_picks_temperatures_left_to_right():
     """On rollouts whose logits are 3× too sharp, position 1's temperature is found first and is ≈ 3."""
     world, run = tiny_world(), trained_run()
     drafter = AutoModel.from_pretrained(run["drafter"], trust_remote_code=True)
+    drafter.bind_target(LlamaForCausalLM.from_pretrained(world["target"]))
     rollouts = collect_rollouts(drafter, HiddenStateCache(world["eval"]), draws=32)
     true_logits = rollouts.confidence_logits.clone()
     # replace the events by ones drawn from a known calibrated model, then sharpen the logits 3×

@@ -9,9 +9,8 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
+from dspark_hf.corpora import chatterbot_conversations, chitchat_conversations
 from dspark_hf.data import (
-    chatterbot_conversations,
-    chitchat_conversations,
     read_jsonl,
     split_conversations,
     split_of,

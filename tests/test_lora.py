@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from test_training import tiny_args, tiny_world, trained_run
-from transformers import AutoModel
+from transformers import AutoModel, LlamaForCausalLM
 
 from dspark_hf import DSparkContextCache, DSparkForDrafting
 from dspark_hf.cache import HiddenStateCache
@@ -31,7 +31,14 @@ def test_lora_trains_only_adapters_and_round_trips(tmp_path):
     world, base_dir = tiny_world(), trained_run()["drafter"]
     result = train(tiny_args(tmp_path / "lora", init_from=base_dir, lora=True, lora_rank=4, lora_fc=True,
                              merge_lora=True, max_steps=10, drafter_config={}, draft_vocab=None))
-    base = load_file(str(Path(base_dir) / "model.safetensors"))
+    target = LlamaForCausalLM.from_pretrained(world["target"])  # the drafters bind embed/head from it
+
+    def base_drafter():
+        drafter = DSparkForDrafting.from_pretrained(base_dir)
+        drafter.bind_target(target)
+        return drafter
+
+    base = base_drafter().state_dict()
 
     # only LoRA parameters moved: every base tensor in the trained PEFT state equals the base checkpoint
     state = load_file(str(Path(result["checkpoint"]) / "model.safetensors"))
@@ -48,13 +55,14 @@ def test_lora_trains_only_adapters_and_round_trips(tmp_path):
 
     # adapter on top of the base drafter == merged plain checkpoint (AutoModel, remote code)
     sample = HiddenStateCache(world["test"])[0]
-    with_adapter = load_adapter(DSparkForDrafting.from_pretrained(base_dir), result["adapter"]).eval()
+    with_adapter = load_adapter(base_drafter(), result["adapter"]).eval()
     merged = AutoModel.from_pretrained(result["drafter"], trust_remote_code=True).eval()
+    merged.bind_target(target)
     tokens_a, logits_a = _draft(with_adapter.get_base_model(), sample)
     tokens_m, logits_m = _draft(merged, sample)
     assert torch.equal(tokens_a, tokens_m)
     torch.testing.assert_close(logits_a, logits_m, rtol=1e-4, atol=1e-4)
-    tokens_base, _ = _draft(DSparkForDrafting.from_pretrained(base_dir), sample)
+    tokens_base, _ = _draft(base_drafter(), sample)
     assert tokens_base.shape == tokens_m.shape
 
     # the CLI merge of a finished adapter writes the same plain checkpoint

@@ -22,9 +22,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModel, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from dspark_hf import DSparkConfig
 from dspark_hf.assets import smollm2_path
 from dspark_hf.cache import HiddenStateCache, build_cache
-from dspark_hf.data import chatterbot_conversations
+from dspark_hf.corpora import chatterbot_conversations
 from dspark_hf.training.trainer import (
     TrainingArguments,
     TrainingDivergedError,
@@ -198,7 +199,7 @@ def test_warm_start_from_zlab_dflash_checkpoint_adds_heads(tmp_path):
     """A z-lab DFlash directory (Qwen3 fields top-level, `dflash_config`, no embed/head, no heads) warm-starts a DSpark."""
     import json
 
-    from dspark_hf.training.trainer import build_drafter
+    from dspark_hf.training.build import build_drafter
 
     world = tiny_world()
     plain = build_drafter(tiny_args(tmp_path, drafter_config={**DRAFTER, "markov_rank": 0, "enable_confidence_head": False},
@@ -238,3 +239,151 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
                  "num_key_value_heads=2", "head_dim=16"])  # no mask token: the tiny target has no pad token
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dspark-hf train: error")]
     assert code == 1 and len(errors) == 1 and "--mask-token-id" in errors[0]
+
+
+def test_warm_start_from_zlab_maps_the_config_like_convert(tmp_path):
+    """Issue 10.6: `train --init-from` a z-lab DFlash directory whose block size sits in `dflash_config` (16) gets the
+    same config as `dspark-hf convert --from zlab-dflash`, not the trainer's own default block of 8."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dspark_hf.formats.convert import convert
+    from dspark_hf.training.build import build_drafter
+
+    plain = build_drafter(tiny_args(tmp_path, drafter_config={**DRAFTER, "markov_rank": 0, "enable_confidence_head": False},
+                                    draft_vocab=None), AUX)
+    source = tmp_path / "dflash"
+    source.mkdir()
+    layers = {k: v.contiguous() for k, v in plain.state_dict().items() if k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))}
+    save_file(layers, str(source / "model.safetensors"))
+    c = plain.config
+    (source / "config.json").write_text(json.dumps({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size,
+        "rope_theta": 10000.0, "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0, 1, 2], "block_size": 16},
+    }))
+    converted = DSparkConfig.from_pretrained(convert(source, tmp_path / "converted", "zlab-dflash"))
+    warm = build_drafter(tiny_args(tmp_path, init_from=str(source), drafter_config={}, draft_vocab=None), AUX).config
+    assert converted.block_size == 16
+    for key in ("block_size", "sample_from_anchor", "aux_hidden_state_layer_ids", "mask_token_id", "rope_parameters"):
+        assert getattr(warm, key) == getattr(converted, key), key
+
+
+def _flip_byte_in(shard: Path, tensor: str, byte: int) -> None:
+    """Flip one byte of `tensor`'s data inside a safetensors file (header: 8-byte length, JSON, then the data)."""
+    import json
+
+    raw = bytearray(shard.read_bytes())
+    header_length = int.from_bytes(raw[:8], "little")
+    begin, _ = json.loads(raw[8 : 8 + header_length])[tensor]["data_offsets"]
+    raw[8 + header_length + begin + byte] ^= 0x40
+    shard.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("tensor, byte", [("aux_hidden_states", 2), ("input_ids", 7)])
+def test_train_refuses_a_corrupt_shard_in_one_line(tmp_path, capsys, tensor, byte):
+    """Issue 10.7: a flipped byte in the hidden states (trained silently before) or in input_ids (an IndexError
+    traceback before) is refused before training, naming the shard and the fix."""
+    from dspark_hf.cli import main
+
+    world = tiny_world()
+    cache = tmp_path / "cache"
+    shutil.copytree(world["train"], cache)
+    _flip_byte_in(cache / "shard-00000.safetensors", tensor, byte)
+    code = main(["train", "--output-dir", str(tmp_path / "out"), "--train-cache", str(cache), "--target", world["target"],
+                 "--draft-vocab", world["vocab"], "--max-steps", "2", "--no-progress", "--report-to", "none",
+                 "--drafter-config", *[f"{k}={v}" for k, v in DRAFTER.items()]])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dspark-hf train: error")]
+    assert code == 1 and len(errors) == 1
+    assert "shard-00000.safetensors is corrupt" in errors[0] and "rerun `dspark-hf cache`" in errors[0]
+    assert not (tmp_path / "out" / "training_args.json").exists()
+
+
+def test_failed_train_leaves_no_training_args(tmp_path):
+    """Issue 10.8: a run that fails before its first checkpoint leaves no training_args.json behind."""
+    args = tiny_args(tmp_path / "nan", max_steps=10, learning_rate=1e30, warmup_steps=0, eval_cache=None)
+    with pytest.raises(TrainingDivergedError, match="no checkpoint had been written yet"):
+        train(args)
+    assert not (tmp_path / "nan" / "training_args.json").exists()
+
+
+def test_train_refuses_a_cache_of_another_model_of_the_same_shape(tmp_path, capsys):
+    """Issue 10.9: the manifest's target name and revision are compared with --target."""
+    from dspark_hf.cli import main
+
+    world = tiny_world()
+    other = LlamaForCausalLM.from_pretrained(world["target"])
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+    other.save_pretrained(tmp_path / "other")
+    code = main(["train", "--output-dir", str(tmp_path / "out"), "--train-cache", world["train"], "--target",
+                 str(tmp_path / "other"), "--draft-vocab", world["vocab"], "--max-steps", "2", "--no-progress",
+                 "--report-to", "none", "--drafter-config", *[f"{k}={v}" for k, v in DRAFTER.items()]])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dspark-hf train: error")]
+    assert code == 1 and len(errors) == 1
+    assert "captured from another model" in errors[0] and str(tmp_path / "other") in errors[0]
+    # the same weights under another path and dtype are the same target
+    LlamaForCausalLM.from_pretrained(world["target"], dtype=torch.bfloat16).save_pretrained(tmp_path / "copy")
+    from dspark_hf.cache import HiddenStateCache as Cache
+    from dspark_hf.data import load_target_model
+
+    Cache(world["train"]).check_target(load_target_model(str(tmp_path / "copy")))
+
+
+def test_new_drafter_binds_target_embeddings_and_logs_without_a_bar(tmp_path, capsys):
+    """Issue 14.4: a new drafter's directory holds no copy of the target's embedding or head unless asked
+    (`--embed-target-copies`). Issue 14.5: with --no-progress, loss terms, τ and tokens/s reach the console at
+    --logging-steps."""
+    result = train(tiny_args(tmp_path / "bound", max_steps=4, logging_steps=2, eval_cache=None, progress=False))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 2/4", "step 4/4"]
+    for term in ("loss=", "ce=", "tv=", "bce=", "tau=", "tokens/s="):
+        assert term in lines[-1], term
+    bound = _weights(result["drafter"])
+    assert "embed_tokens.weight" not in bound and "lm_head.weight" not in bound
+    assert AutoModel.from_pretrained(result["drafter"], trust_remote_code=True).config.bind_target_embeddings
+
+    copies = train(tiny_args(tmp_path / "copies", max_steps=1, eval_cache=None, embed_target_copies=True))
+    stored = _weights(copies["drafter"])
+    target = LlamaForCausalLM.from_pretrained(tiny_world()["target"])
+    assert torch.equal(stored["embed_tokens.weight"], target.model.embed_tokens.weight)
+
+
+def test_help_says_how_the_default_aux_layers_are_chosen():
+    """Issue 14.6: `cache --aux-layers` and `train` help state the rule and when to change it."""
+    import argparse
+
+    from dspark_hf import cache
+    from dspark_hf.training import cli
+
+    for module in (cache, cli):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        text = " ".join(parser.format_help().split())
+        assert "(L-3)//2" in text and "L-4" in text and "warm-start" in text, module.__name__
+
+
+def test_default_mask_token_comes_from_the_tokenizer_and_the_data(tmp_path):
+    """Issue 14.3: a target whose pad token is its end-of-turn token (SmolLM2's case) gets a special token that is
+    neither bos/eos/pad/unk nor ever seen in the training cache, instead of an error (or the end-of-turn token)."""
+    from dspark_hf.training.build import build_drafter
+
+    world = tiny_world()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    target = LlamaForCausalLM.from_pretrained(world["target"])
+    target.config.pad_token_id = target.config.eos_token_id = tokenizer.eos_token_id
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter_config = {k: v for k, v in DRAFTER.items() if k != "mask_token_id"}
+    cache = HiddenStateCache(world["train"])
+    drafter = build_drafter(tiny_args(tmp_path, target=str(tmp_path / "target"), drafter_config=drafter_config),
+                            AUX, cache=cache)
+    mask = drafter.config.mask_token_id
+    assert tokenizer.added_tokens_decoder[mask].special
+    assert mask not in {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    assert mask not in cache.token_ids() and tokenizer.eos_token_id in cache.token_ids()

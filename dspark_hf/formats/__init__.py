@@ -2,6 +2,7 @@
 
 from .convert import convert
 from .export import export
-from .speculators import read_speculators, write_checkpoint
+from .speculators import read_speculators
+from .toolkit import write_checkpoint
 
 __all__ = ["convert", "export", "read_speculators", "write_checkpoint"]

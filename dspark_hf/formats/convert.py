@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from .deepspec import read_deepspec
-from .speculators import DraftCheckpoint, read_speculators, write_checkpoint
+from .speculators import read_speculators
+from .toolkit import DraftCheckpoint, write_checkpoint
 from .zlab import read_zlab_dflash
 
 READERS: dict[str, Callable[[str | Path], DraftCheckpoint]] = {

@@ -21,17 +21,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..remote_code.configuration_dspark import DSparkConfig
-from .speculators import (
+from .toolkit import (
     DraftCheckpoint,
+    build_config,
     check_tensors,
     full_vocab_maps,
-    infer_heads,
     load_tensors,
-    markov_head_type_of,
     read_json,
     reject_sliding_layers,
-    qwen3_geometry,
     strip_wrapper_prefix,
 )
 
@@ -57,10 +54,9 @@ def read_deepspec(directory: str | Path) -> DraftCheckpoint:
     vocab_size = int(raw["vocab_size"])
     tensors.update(full_vocab_maps(vocab_size))
     hidden_size = int(raw["hidden_size"])
-    markov_rank, confidence, with_markov = infer_heads(raw, tensors, hidden_size)
     target_layer_ids = [int(i) for i in raw["target_layer_ids"]]
-    config = DSparkConfig(
-        **qwen3_geometry(raw),
+    config = build_config(
+        raw, raw, tensors,
         vocab_size=vocab_size,
         draft_vocab_size=vocab_size,
         block_size=int(raw["block_size"]),
@@ -70,11 +66,6 @@ def read_deepspec(directory: str | Path) -> DraftCheckpoint:
         target_hidden_size=hidden_size,
         target_num_hidden_layers=raw.get("num_target_layers"),
         bind_target_embeddings=False,
-        markov_rank=markov_rank,
-        markov_head_type=markov_head_type_of(raw, tensors, markov_rank),
-        enable_confidence_head=confidence,
-        confidence_head_with_markov=with_markov,
-        dtype=raw.get("dtype") or raw.get("torch_dtype"),
     )
     check_tensors(tensors, config, WHAT)
     conversion = {

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from ..data import load_target_model
 from .convert import DTYPES
-from .speculators import DraftCheckpoint, read_speculators, write_checkpoint
+from .speculators import read_speculators
+from .toolkit import DraftCheckpoint, write_checkpoint
 
 FORMATS = ("speculators",)
 
@@ -60,8 +62,6 @@ def export(
     checkpoint = read_speculators(source)
     if target is not None:
         if isinstance(target, (str, Path)):  # a path, a Hub id, or `smollm2` (the offline target)
-            from ..data import load_target_model
-
             target = load_target_model(str(target), dtype="float32")
         bind_from_target(checkpoint, target)
     if checkpoint.config.bind_target_embeddings:

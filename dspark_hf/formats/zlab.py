@@ -18,15 +18,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..remote_code.configuration_dspark import DSparkConfig
-from .speculators import (
+from .toolkit import (
     DraftCheckpoint,
+    build_config,
     check_tensors,
     full_vocab_maps,
     load_tensors,
     read_json,
     reject_sliding_layers,
-    qwen3_geometry,
     strip_wrapper_prefix,
 )
 
@@ -61,8 +60,8 @@ def read_zlab_dflash(directory: str | Path) -> DraftCheckpoint:
     vocab_size = int(raw["vocab_size"])
     tensors.update(full_vocab_maps(vocab_size))
     hidden_size = int(raw["hidden_size"])
-    config = DSparkConfig(
-        **qwen3_geometry(raw),
+    config = build_config(
+        raw, raw, tensors,
         vocab_size=vocab_size,
         draft_vocab_size=vocab_size,
         block_size=int(value("block_size", 16)),  # z-lab's default when absent
@@ -74,7 +73,7 @@ def read_zlab_dflash(directory: str | Path) -> DraftCheckpoint:
         bind_target_embeddings=True,
         markov_rank=0,
         enable_confidence_head=False,
-        dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        confidence_head_with_markov=False,
     )
     check_tensors(tensors, config, WHAT)
     conversion = {

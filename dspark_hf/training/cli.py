@@ -33,18 +33,19 @@ def _overrides(items: list[str]) -> dict:
     return overrides
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = TrainingArguments(output_dir="", train_cache="")
-    data = parser.add_argument_group("data")
-    data.add_argument("--train-cache", help="hidden-state cache to train on (`dspark-hf cache`)")
-    data.add_argument("--eval-cache", help="held-out cache for periodic validation")
-    data.add_argument("--output-dir", help="where checkpoints, logs and the final drafter go")
-
+def _add_initialisation_arguments(parser: argparse.ArgumentParser) -> None:
     init = parser.add_argument_group("initialisation")
-    init.add_argument("--target", help="target model directory (embeddings and LM head are copied from it)")
+    init.add_argument("--target", help="target model path or Hub id (its embeddings and LM head are bound into the drafter)")
+    init.add_argument("--embed-target-copies", action="store_true",
+                      help="also store the target's embedding and LM-head rows in the drafter's directory (for runtimes "
+                           "that cannot bind them from the target; default: bound at attach time, not stored)")
     init.add_argument("--draft-vocab", help="d2t/t2d file from `dspark-hf vocab` (default: full vocabulary)")
     init.add_argument("--init-from", help="warm start from a DSpark or z-lab DFlash checkpoint directory (heads added if absent)")
-    init.add_argument("--mask-token-id", type=int, help="mask token of the block (default: the target's pad token)")
+    init.add_argument("--mask-token-id", type=int,
+                      help="token filling the block's draft slots (default: from the target tokenizer: its mask token, "
+                           "else a reserved/unused special token, else the added special token with the highest id; "
+                           "never bos/eos/pad/unk and never a token that occurs in the training cache, such as the "
+                           "end-of-turn token)")
     init.add_argument("--num-draft-layers", type=int, help="draft transformer layers (default 1)")
     init.add_argument("--block-size", type=int, help="slots per block, anchor included (default 8)")
     init.add_argument("--sample-from-anchor", action="store_true", default=None, help="DSpark-paper slot convention (B drafts)")
@@ -53,6 +54,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     init.add_argument("--no-confidence-head", action="store_true", help="train without the confidence head")
     init.add_argument("--drafter-config", nargs="*", metavar="KEY=VALUE", default=[],
                       help="any other DSparkConfig field, e.g. intermediate_size=1536 (values parsed as JSON)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = TrainingArguments(output_dir="", train_cache="")
+    data = parser.add_argument_group("data")
+    data.add_argument("--train-cache", help="hidden-state cache to train on (`dspark-hf cache`); the drafter reads the aux "
+                      "layers it was captured with: by default 1, (L-3)//2 and L-4 of an L-layer target (low, middle "
+                      "and high, the Kimi-K2.6 DSpark spacing); rebuild the cache with --aux-layers to match a drafter "
+                      "you warm-start from or to try other depths")
+    data.add_argument("--eval-cache", help="held-out cache for periodic validation")
+    data.add_argument("--output-dir", help="where checkpoints, logs and the final drafter go")
+
+    _add_initialisation_arguments(parser)
 
     lora = parser.add_argument_group("LoRA")
     lora.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters on the draft layers only")

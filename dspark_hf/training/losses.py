@@ -16,6 +16,7 @@ a late draft only counts if every earlier one survived. Total = α_ce·CE + α_t
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -175,8 +176,43 @@ class BlockStatistics:
         return metrics
 
 
+class MetricWindow:
+    """Everything logged since the last report: block statistics, the loss terms, tokens and wall time.
+
+    Training reports one window every `--logging-steps`; validation is one window over the held-out cache. Sums are
+    kept as tensors so `compute(reduce)` adds them across processes in one call each.
+    """
+
+    TERMS = ("loss", "ce_term", "tv", "bce")
+
+    def __init__(self, num_drafts: int, device=None):
+        self.num_drafts, self.device = num_drafts, device
+        self.reset()
+
+    def reset(self):
+        self.blocks = BlockStatistics(self.num_drafts, self.device)
+        self.sums = torch.zeros(len(self.TERMS) + 2, dtype=torch.float64, device=self.device)  # terms, batches, tokens
+        self.start = time.perf_counter()
+
+    def update(self, result: DSparkLoss, anchor_mask: torch.Tensor, tokens=0):
+        self.blocks.update(result, anchor_mask)
+        one = torch.ones((), dtype=torch.float64, device=self.sums.device)
+        self.sums += torch.stack([result.loss.detach().double(), result.ce.double(), result.tv.double(),
+                                  result.bce.double(), one, torch.as_tensor(tokens, device=one.device).double()])
+
+    def compute(self, reduce=lambda tensor: tensor) -> dict[str, float]:
+        """Block metrics and mean loss terms per micro-batch, and tokens/s, over (reduced) sums."""
+        metrics = self.blocks.compute(reduce(self.blocks.sums))
+        sums = reduce(self.sums)
+        count = max(float(sums[len(self.TERMS)]), 1.0)
+        metrics.update({name: float(sums[i]) / count for i, name in enumerate(self.TERMS)})
+        metrics["tokens_per_s"] = float(sums[-1]) / max(time.perf_counter() - self.start, 1e-9)
+        return metrics
+
+
 __all__ = [
     "BlockStatistics",
+    "MetricWindow",
     "DSparkLoss",
     "LossConfig",
     "draft_labels",
