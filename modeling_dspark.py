@@ -258,7 +258,8 @@ class DSparkVanillaMarkovHead(nn.Module):
     def embed_previous(self, prev_ids: torch.LongTensor) -> torch.Tensor:
         return self.markov_w1(prev_ids)  # (..., r)
 
-    def initial_state(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    def anchor_state(self, anchor_hidden: torch.Tensor, anchor_embeds: torch.Tensor) -> torch.Tensor | None:
+        """State before draft 1 under the DFlash slot convention (slot 0 = the anchor's row); stateless heads: None."""
         return None
 
     def step(
@@ -267,9 +268,11 @@ class DSparkVanillaMarkovHead(nn.Module):
         """(bias (..., V_d), next state) for one draft; vectorizes over any leading shape when stateless."""
         return self.markov_w2(prev_embeds), state
 
-    def block_bias(self, hidden_states: torch.Tensor, prev_embeds: torch.Tensor) -> torch.Tensor:
+    def block_bias(
+        self, hidden_states: torch.Tensor, prev_embeds: torch.Tensor, state: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Teacher-forced bias for all drafts at once: hidden (..., N, d), prev_embeds (..., N, r) -> (..., N, V_d)."""
-        return self.step(hidden_states, prev_embeds, None)[0]
+        return self.step(hidden_states, prev_embeds, state)[0]
 
 
 class DSparkGatedMarkovHead(DSparkVanillaMarkovHead):
@@ -285,25 +288,29 @@ class DSparkGatedMarkovHead(DSparkVanillaMarkovHead):
 
 
 class DSparkRNNMarkovHead(DSparkVanillaMarkovHead):
-    """GRU-like state over the block: [g, c, o] = joint_proj([s; W1[prev]; ĥ]); s' = σ(g)s + (1-σ(g))tanh(c); bias = W2 tanh(o)."""
+    """GRU-like state over the block: [g, c, o] = joint_proj([s; W1[prev]; ĥ]); s' = σ(g)s + (1-σ(g))tanh(c); bias = W2 tanh(o).
+
+    The state starts at zero on slot 0 of the block: under the DFlash slot convention slot 0 (the anchor's row, which
+    drafts nothing) takes one step with W1[anchor] before draft 1, as in speculators.
+    """
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
         self.joint_proj = nn.Linear(2 * config.markov_rank + config.hidden_size, 3 * config.markov_rank, bias=True)
 
-    def initial_state(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hidden_states.new_zeros(*hidden_states.shape[:-1], self.markov_rank)
+    def anchor_state(self, anchor_hidden, anchor_embeds):
+        """As speculators does: slot 0 predicts nothing but steps the recurrence with its row and W1[anchor]."""
+        return self.step(anchor_hidden, anchor_embeds, None)[1]
 
     def step(self, hidden_states, prev_embeds, state):
         if state is None:
-            state = self.initial_state(hidden_states)
+            state = hidden_states.new_zeros(*hidden_states.shape[:-1], self.markov_rank)
         gate, candidate, output = self.joint_proj(torch.cat([state, prev_embeds, hidden_states], dim=-1)).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         state = gate * state + (1.0 - gate) * torch.tanh(candidate)
         return self.markov_w2(torch.tanh(output)), state
 
-    def block_bias(self, hidden_states, prev_embeds):
-        state = self.initial_state(hidden_states[..., 0, :])
+    def block_bias(self, hidden_states, prev_embeds, state=None):
         biases = []
         for n in range(hidden_states.shape[-2]):
             bias, state = self.step(hidden_states[..., n, :], prev_embeds[..., n, :], state)
@@ -534,12 +541,18 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         ids = torch.stack([anchor_ids] + [mask] * (self.config.block_size - 1), dim=-1)
         return self.embed_tokens(ids)
 
+    def _markov_start_state(self, block_hidden: torch.Tensor, anchor_ids: torch.LongTensor) -> torch.Tensor | None:
+        """Markov state before draft 1 from the block rows (..., B, d): slot 0 steps it unless it drafts itself."""
+        if self.markov_head is None or self.config.sample_from_anchor:
+            return None
+        return self.markov_head.anchor_state(block_hidden[..., 0, :], self.markov_head.embed_previous(anchor_ids))
+
     def _markov_and_confidence(
-        self, draft_hidden: torch.Tensor, prev_ids: torch.LongTensor
+        self, draft_hidden: torch.Tensor, prev_ids: torch.LongTensor, state: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Teacher-forced Markov bias (..., N, V_d) and confidence logits (..., N) given each draft's previous token."""
         prev_embeds = self.markov_head.embed_previous(prev_ids) if self.markov_head is not None else None
-        bias = self.markov_head.block_bias(draft_hidden, prev_embeds) if self.markov_head is not None else None
+        bias = self.markov_head.block_bias(draft_hidden, prev_embeds, state) if self.markov_head is not None else None
         confidence = self.confidence_head(draft_hidden, prev_embeds) if self.confidence_head is not None else None
         return bias, confidence
 
@@ -596,7 +609,8 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         base_logits = self.lm_head(draft_hidden)
         label_positions = anchor_positions[..., None] + torch.arange(1, N + 1, device=device)  # (b, J, N)
         prev_ids = input_ids.gather(1, (label_positions - 1).clamp(max=T - 1).reshape(b, J * N)).reshape(b, J, N)
-        bias, confidence_logits = self._markov_and_confidence(draft_hidden, prev_ids)
+        state = self._markov_start_state(hidden, anchor_ids)
+        bias, confidence_logits = self._markov_and_confidence(draft_hidden, prev_ids, state)
         return DSparkTrainingOutput(
             logits=base_logits + bias if bias is not None else base_logits,
             base_logits=base_logits,
@@ -645,15 +659,20 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         return cache
 
     @torch.no_grad()
-    def block_hidden_states(self, cache: DSparkContextCache, anchor_ids: torch.LongTensor) -> torch.Tensor:
-        """The one parallel pass: (b,) anchors at position = context length -> normalized draft rows (b, N, d)."""
+    def block_rows(self, cache: DSparkContextCache, anchor_ids: torch.LongTensor) -> torch.Tensor:
+        """The one parallel pass: (b,) anchors at position = context length -> normalized block rows (b, B, d)."""
         hidden = self._block_embeddings(anchor_ids)  # (b, B, d)
         start = cache.get_seq_length()
         positions = torch.arange(start, start + self.config.block_size, device=hidden.device).expand(hidden.shape[0], -1)
         rope = self.rotary_emb(hidden, positions)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, rope, cache[i], None)
-        return self._draft_rows(self.norm(hidden))
+        return self.norm(hidden)
+
+    @torch.no_grad()
+    def block_hidden_states(self, cache: DSparkContextCache, anchor_ids: torch.LongTensor) -> torch.Tensor:
+        """Normalized draft rows (b, N, d) of the parallel pass."""
+        return self._draft_rows(self.block_rows(cache, anchor_ids))
 
     @torch.no_grad()
     def draft_block(
@@ -682,7 +701,8 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         num_drafts = self.num_draft_tokens if num_drafts is None else min(num_drafts, self.num_draft_tokens)
         device = self.fc.weight.device
         anchor = torch.as_tensor(anchor_id, device=device).reshape(1)
-        draft_hidden = self.block_hidden_states(cache, anchor)[:, :num_drafts]  # (1, n, d)
+        block_hidden = self.block_rows(cache, anchor)  # (1, B, d)
+        draft_hidden = self._draft_rows(block_hidden)[:, :num_drafts]  # (1, n, d)
         base_logits = self.lm_head(draft_hidden).float()  # (1, n, V_d)
         if logits_processor is None and do_sample:
             logits_processor = _sampling_warpers(temperature, top_k, top_p)
@@ -694,7 +714,7 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         tokens, draft_logits, target_logits, confidences, survival = [], [], [], [], []
         prev = anchor
         alive, expected, cost = 1.0, 1.0, 1.0
-        state = None
+        state = self._markov_start_state(block_hidden, anchor)
         for n in range(num_drafts):
             hidden_n = draft_hidden[:, n]  # (1, d)
             prev_embeds = self.markov_head.embed_previous(prev) if self.markov_head is not None else None
