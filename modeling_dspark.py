@@ -37,6 +37,7 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -553,6 +554,11 @@ def check_target_compatibility(config: DSparkConfig, target: PreTrainedModel):
             f"DSpark aux layer id {max(config.aux_hidden_state_layer_ids)} is beyond the target's {depth} layers; "
             f"use aux_hidden_state_layer_ids within [0, {depth}]."
         )
+    if config.target_num_hidden_layers is not None and config.target_num_hidden_layers != depth:
+        raise ValueError(
+            f"DSpark drafter was trained for a target of {config.target_num_hidden_layers} layers but this target has "
+            f"{depth}; use a drafter trained for this target (target_num_hidden_layers={depth})."
+        )
 
 
 class DSparkPreTrainedModel(PreTrainedModel):
@@ -955,7 +961,10 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         logits_processor: LogitsProcessorList,
         model_kwargs: dict[str, Any],
     ) -> DSparkCandidateGenerator:
-        return DSparkCandidateGenerator(self, target, input_ids, generation_config, logits_processor, model_kwargs)
+        stopping_criteria = getattr(self, DSPARK_STOPPING_ATTRIBUTE, None)  # set for this call by the routing hook
+        return DSparkCandidateGenerator(
+            self, target, input_ids, generation_config, logits_processor, model_kwargs, stopping_criteria
+        )
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -1014,6 +1023,12 @@ class DSparkGenerationStats:
         }
 
 
+def _stops_inside_a_round(stopping_criteria: StoppingCriteriaList | None) -> StoppingCriteriaList | None:
+    """The criteria a round must check draft by draft: transformers itself cuts rounds at max length and EOS."""
+    kept = [c for c in stopping_criteria or () if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    return StoppingCriteriaList(kept) if kept else None
+
+
 def _check_generation_limits(generation_config: GenerationConfig, batch_size: int | None = None):
     """The limits of assisted generation, each as one clear error (transformers would silently beam-search)."""
     if generation_config.num_beams > 1:
@@ -1047,11 +1062,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList | None = None,
         model_kwargs: dict[str, Any] | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
     ):
         _check_generation_limits(generation_config, batch_size=input_ids.shape[0])
-        attention_mask = (model_kwargs or {}).get("attention_mask")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("DSpark speculative decoding needs an unpadded prompt (attention_mask all ones); drop the padding.")
         check_target_compatibility(drafter.config, target)
         if drafter.config.bind_target_embeddings and getattr(drafter, "_bound_target", None) != target.config.name_or_path:
             drafter.bind_target(target)
@@ -1064,6 +1077,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.schedule = self._make_schedule()
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor if logits_processor else None
+        self.stopping_criteria = _stops_inside_a_round(stopping_criteria)
+        self.generation_config = generation_config  # the one `_assisted_decoding` reads each round
         self.max_length = generation_config.max_length
         self.cache = DSparkContextCache()
         self.stats = DSparkGenerationStats(num_draft_tokens=drafter.num_draft_tokens)
@@ -1104,9 +1119,26 @@ class DSparkCandidateGenerator(CandidateGenerator):
             input_ids=input_ids.to(device),
             schedule=self.schedule,
         )
-        self._last_drafted = draft.token_ids.shape[1]
-        candidates = torch.cat([input_ids, draft.token_ids.to(input_ids.device)], dim=-1)
-        return candidates, draft.target_logits if self.do_sample and self._last_drafted else None
+        tokens = self._cut_at_stop(input_ids, draft.token_ids.to(input_ids.device))
+        self._last_drafted = tokens.shape[1]
+        candidates = torch.cat([input_ids, tokens], dim=-1)
+        return candidates, draft.target_logits[:, : tokens.shape[1]] if self.do_sample and self._last_drafted else None
+
+    def _cut_at_stop(self, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> torch.LongTensor:
+        """Drafts up to the first on which a stopping criterion fires, and a round that ends on it if it is accepted.
+
+        Whether draft n is proposed depends only on the tokens before it (lossless, as for EOS). transformers commits
+        the accepted drafts plus a bonus token, cropped to `generation_config.max_length`, which it reads each round:
+        lowering it for this round keeps the bonus from stepping past the stop (restored in
+        `update_candidate_strategy`).
+        """
+        if self.stopping_criteria is None:
+            return tokens
+        for n in range(tokens.shape[1]):
+            if bool(self.stopping_criteria(torch.cat([input_ids, tokens[:, : n + 1]], dim=-1), None).any()):
+                self.generation_config.max_length = input_ids.shape[1] + n + 1
+                return tokens[:, : n + 1]
+        return tokens
 
     def get_candidates(
         self,
@@ -1132,6 +1164,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         return candidates, candidate_logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        self.generation_config.max_length = self.max_length  # undo a stop's round cut (see `_cut_at_stop`)
         if self._verify_started is not None:
             self.stats.verify_time_s += time.perf_counter() - self._verify_started
         if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
@@ -1144,8 +1177,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
 # Routing hook: installed once per process, whichever copy of this file (library or a checkpoint's remote code) is
 # imported first; each wrapper dispatches on the assistant's own factory, so the assistant's copy builds its generator.
 
-# The namespaced method the hooks look for on an assistant model (DSparkForDrafting defines it).
+# The namespaced method the hooks look for on an assistant model (DSparkForDrafting defines it), and the attribute
+# through which one generate call hands its stopping criteria to that factory.
 DSPARK_FACTORY_ATTRIBUTE = "_dspark_candidate_generator_factory"
+DSPARK_STOPPING_ATTRIBUTE = "_dspark_stopping_criteria"
 
 
 def _route_candidate_generator(original: Callable) -> Callable:
@@ -1171,18 +1206,43 @@ def _route_candidate_generator(original: Callable) -> Callable:
 
 
 def _guard_generation_mode(original: Callable) -> Callable:
-    """Turn the modes a drafter cannot serve (beam search) into a clear error instead of silently ignoring them."""
+    """Our one-line errors come first: the modes a drafter cannot serve (transformers would silently ignore beam
+    search) and a target it does not fit (transformers would advise passing tokenizers for another vocabulary)."""
 
     @functools.wraps(original)
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        if getattr(generation_mode_kwargs.get("assistant_model"), DSPARK_FACTORY_ATTRIBUTE, None) is not None:
+        assistant_model = generation_mode_kwargs.get("assistant_model")
+        if getattr(assistant_model, DSPARK_FACTORY_ATTRIBUTE, None) is not None:
             _check_generation_limits(generation_config)
+            check_target_compatibility(assistant_model.config, self)
         return original(self, generation_mode, generation_config, generation_mode_kwargs)
 
     return _validate_generation_mode
 
 
-DSPARK_HOOKS = {"_get_candidate_generator": _route_candidate_generator, "_validate_generation_mode": _guard_generation_mode}
+def _share_stopping_criteria(original: Callable) -> Callable:
+    """Hand the stopping criteria generate() built to a DSpark assistant for this call (`_get_candidate_generator`
+    does not receive them), so that drafts never run past a stop string or a custom criterion."""
+
+    @functools.wraps(original)
+    def _assisted_decoding(self, *args, **kwargs):
+        assistant_model = kwargs.get("assistant_model")
+        if getattr(assistant_model, DSPARK_FACTORY_ATTRIBUTE, None) is None:
+            return original(self, *args, **kwargs)
+        setattr(assistant_model, DSPARK_STOPPING_ATTRIBUTE, kwargs.get("stopping_criteria"))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            setattr(assistant_model, DSPARK_STOPPING_ATTRIBUTE, None)
+
+    return _assisted_decoding
+
+
+DSPARK_HOOKS = {
+    "_get_candidate_generator": _route_candidate_generator,
+    "_validate_generation_mode": _guard_generation_mode,
+    "_assisted_decoding": _share_stopping_criteria,
+}
 
 
 def install_dspark_routing():
