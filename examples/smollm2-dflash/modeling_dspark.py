@@ -773,7 +773,8 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         attention_mask: torch.Tensor | None = None,  # (b, T) 1 = real token (right padding)
     ) -> DSparkTrainingOutput:
         """Block j sees the context rows t < p_j of its own sequence and its own B block rows, nothing else."""
-        (b, T), (J, B, N) = input_ids.shape, (anchor_positions.shape[1], self.config.block_size, self.num_draft_tokens)
+        b, T = input_ids.shape
+        J, B, N = anchor_positions.shape[1], self.config.block_size, self.num_draft_tokens
         device = input_ids.device
         context_kv = self._context_kv(self.fuse_context(aux_hidden_states), torch.arange(T, device=device).expand(b, T))
         anchor_ids = input_ids.gather(1, anchor_positions)  # (b, J)
@@ -1107,6 +1108,22 @@ class DSparkCandidateGenerator(CandidateGenerator):
         aux = torch.cat([model_outputs.hidden_states[i][:, :num_new] for i in self.aux_layer_ids], dim=-1)
         self.drafter.extend_context(self.cache, aux.to(self.drafter.fc.weight.device))
 
+    def _cut_at_stop(self, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> torch.LongTensor:
+        """Drafts up to the first on which a stopping criterion fires, and a round that ends on it if it is accepted.
+
+        Whether draft n is proposed depends only on the tokens before it (lossless, as for EOS). transformers commits
+        the accepted drafts plus a bonus token, cropped to `generation_config.max_length`, which it reads each round:
+        lowering it for this round keeps the bonus from stepping past the stop (restored in
+        `update_candidate_strategy`).
+        """
+        if self.stopping_criteria is None:
+            return tokens
+        for n in range(tokens.shape[1]):
+            if bool(self.stopping_criteria(torch.cat([input_ids, tokens[:, : n + 1]], dim=-1), None).any()):
+                self.generation_config.max_length = input_ids.shape[1] + n + 1
+                return tokens[:, : n + 1]
+        return tokens
+
     def _draft(self, input_ids: torch.LongTensor, budget: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Candidates (the sequence plus up to `budget` drafts) and, when sampling, the q they were drawn from."""
         device = self.drafter.fc.weight.device
@@ -1123,22 +1140,6 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._last_drafted = tokens.shape[1]
         candidates = torch.cat([input_ids, tokens], dim=-1)
         return candidates, draft.target_logits[:, : tokens.shape[1]] if self.do_sample and self._last_drafted else None
-
-    def _cut_at_stop(self, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> torch.LongTensor:
-        """Drafts up to the first on which a stopping criterion fires, and a round that ends on it if it is accepted.
-
-        Whether draft n is proposed depends only on the tokens before it (lossless, as for EOS). transformers commits
-        the accepted drafts plus a bonus token, cropped to `generation_config.max_length`, which it reads each round:
-        lowering it for this round keeps the bonus from stepping past the stop (restored in
-        `update_candidate_strategy`).
-        """
-        if self.stopping_criteria is None:
-            return tokens
-        for n in range(tokens.shape[1]):
-            if bool(self.stopping_criteria(torch.cat([input_ids, tokens[:, : n + 1]], dim=-1), None).any()):
-                self.generation_config.max_length = input_ids.shape[1] + n + 1
-                return tokens[:, : n + 1]
-        return tokens
 
     def get_candidates(
         self,
