@@ -1,11 +1,14 @@
 # dspark-hf: `make test` builds .venv from nothing and runs the suite; `make demo` answers chat prompts with the
-# shipped SmolLM2 drafter; `make drafter` retrains that drafter end to end with the package's own CLI.
+# shipped SmolLM2 drafter; `make drafter` retrains that drafter end to end with the package's own CLI;
+# `make sync-remote-code` copies the root remote-code files into every shipped checkpoint (a checkpoint carries its own).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dspark-hf-installed
+REMOTE_CODE := configuration_dspark.py modeling_dspark.py
+SHIPPED_CHECKPOINTS := examples/smollm2-dspark examples/smollm2-dflash
 
-.PHONY: setup test demo drafter clean
+.PHONY: setup test demo drafter sync-remote-code clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +28,11 @@ test: setup
 demo: setup
 	HF_HUB_OFFLINE=1 $(PY) examples/demo.py
 
-drafter: setup
+drafter: setup sync-remote-code
 	HF_HUB_OFFLINE=1 bash examples/make_drafter.sh
+
+sync-remote-code:
+	for checkpoint in $(SHIPPED_CHECKPOINTS); do cp $(REMOTE_CODE) $$checkpoint/; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -4,9 +4,9 @@
 Remote-code file: copied next to every checkpoint, imports only torch and transformers (siblings as `from .x`).
 
 Reading order (as in `modeling_llama.py`): norm → rotary → MLP → attention with KV injection → draft layer → Markov
-head variants → confidence head → context cache → PreTrainedModel → DSparkForDrafting (training forward and
-`draft_block`) → the candidate generator that plugs the drafter into `target.generate(assistant_model=drafter)` and
-the routing hook installed when this module is imported.
+head variants → confidence head → draft schedules → token choice → context cache and outputs → checkpoint/target
+checks → PreTrainedModel → DSparkForDrafting (training forward and `draft_block`) → the candidate generator that plugs
+the drafter into `target.generate(assistant_model=drafter)` → the routing hook installed when this module is imported.
 
 Notation: d hidden size, m aux layers, B block size, N drafts per block (B-1, or B with `sample_from_anchor`),
 V_t target vocab, V_d draft vocab, r Markov rank. Draft n (1..N) always predicts the token at position p+n, where
@@ -37,6 +37,7 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -258,7 +259,8 @@ class DSparkVanillaMarkovHead(nn.Module):
     def embed_previous(self, prev_ids: torch.LongTensor) -> torch.Tensor:
         return self.markov_w1(prev_ids)  # (..., r)
 
-    def initial_state(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    def anchor_state(self, anchor_hidden: torch.Tensor, anchor_embeds: torch.Tensor) -> torch.Tensor | None:
+        """State before draft 1 under the DFlash slot convention (slot 0 = the anchor's row); stateless heads: None."""
         return None
 
     def step(
@@ -267,9 +269,11 @@ class DSparkVanillaMarkovHead(nn.Module):
         """(bias (..., V_d), next state) for one draft; vectorizes over any leading shape when stateless."""
         return self.markov_w2(prev_embeds), state
 
-    def block_bias(self, hidden_states: torch.Tensor, prev_embeds: torch.Tensor) -> torch.Tensor:
+    def block_bias(
+        self, hidden_states: torch.Tensor, prev_embeds: torch.Tensor, state: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Teacher-forced bias for all drafts at once: hidden (..., N, d), prev_embeds (..., N, r) -> (..., N, V_d)."""
-        return self.step(hidden_states, prev_embeds, None)[0]
+        return self.step(hidden_states, prev_embeds, state)[0]
 
 
 class DSparkGatedMarkovHead(DSparkVanillaMarkovHead):
@@ -285,25 +289,29 @@ class DSparkGatedMarkovHead(DSparkVanillaMarkovHead):
 
 
 class DSparkRNNMarkovHead(DSparkVanillaMarkovHead):
-    """GRU-like state over the block: [g, c, o] = joint_proj([s; W1[prev]; ĥ]); s' = σ(g)s + (1-σ(g))tanh(c); bias = W2 tanh(o)."""
+    """GRU-like state over the block: [g, c, o] = joint_proj([s; W1[prev]; ĥ]); s' = σ(g)s + (1-σ(g))tanh(c); bias = W2 tanh(o).
+
+    The state starts at zero on slot 0 of the block: under the DFlash slot convention slot 0 (the anchor's row, which
+    drafts nothing) takes one step with W1[anchor] before draft 1, as in speculators.
+    """
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
         self.joint_proj = nn.Linear(2 * config.markov_rank + config.hidden_size, 3 * config.markov_rank, bias=True)
 
-    def initial_state(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hidden_states.new_zeros(*hidden_states.shape[:-1], self.markov_rank)
+    def anchor_state(self, anchor_hidden, anchor_embeds):
+        """As speculators does: slot 0 predicts nothing but steps the recurrence with its row and W1[anchor]."""
+        return self.step(anchor_hidden, anchor_embeds, None)[1]
 
     def step(self, hidden_states, prev_embeds, state):
         if state is None:
-            state = self.initial_state(hidden_states)
+            state = hidden_states.new_zeros(*hidden_states.shape[:-1], self.markov_rank)
         gate, candidate, output = self.joint_proj(torch.cat([state, prev_embeds, hidden_states], dim=-1)).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         state = gate * state + (1.0 - gate) * torch.tanh(candidate)
         return self.markov_w2(torch.tanh(output)), state
 
-    def block_bias(self, hidden_states, prev_embeds):
-        state = self.initial_state(hidden_states[..., 0, :])
+    def block_bias(self, hidden_states, prev_embeds, state=None):
         biases = []
         for n in range(hidden_states.shape[-2]):
             bias, state = self.step(hidden_states[..., n, :], prev_embeds[..., n, :], state)
@@ -332,6 +340,122 @@ class DSparkConfidenceHead(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# Draft schedules: decide, left to right, whether draft n of a block is proposed for verification. They see only the
+# calibrated confidence c_n, which depends on the tokens before n, so every schedule is lossless.
+
+
+class DSparkDraftSchedule:
+    """Base schedule: admits every draft (fixed block length). `survival` is a_n = Π_{i≤n} c_i of the drafts seen."""
+
+    def start(self) -> None:
+        """Called once at the start of each block."""
+        self.survival = 1.0
+
+    def admit(self, confidence: float) -> bool:
+        """Draft n's calibrated c_n -> True: propose draft n; False: end the block before it."""
+        self.survival *= confidence
+        return True
+
+
+class DSparkThresholdSchedule(DSparkDraftSchedule):
+    """Admit draft n while its survival a_n stays at or above `threshold` (None: no threshold)."""
+
+    def __init__(self, threshold: float | None):
+        self.threshold = threshold
+
+    def admit(self, confidence: float) -> bool:
+        super().admit(confidence)
+        return self.threshold is None or self.survival >= self.threshold
+
+
+class DSparkVerifyCostSchedule(DSparkThresholdSchedule):
+    """Admit draft n only while it raises the expected committed tokens per unit of verify cost.
+
+    With E = 1 + Σ a_i over the admitted drafts (the bonus token counts) and C = 1 + verify_cost · (drafts admitted),
+    draft n is admitted when (E + a_n) / (C + verify_cost) > E / C. `verify_cost` is the cost of one more verified
+    token relative to a whole verify pass; an optional survival `threshold` is applied first.
+    """
+
+    def __init__(self, verify_cost: float, threshold: float | None = None):
+        super().__init__(threshold)
+        self.verify_cost = verify_cost
+
+    def start(self) -> None:
+        super().start()
+        self.expected, self.cost = 1.0, 1.0
+
+    def admit(self, confidence: float) -> bool:
+        if not super().admit(confidence):
+            return False
+        if (self.expected + self.survival) / (self.cost + self.verify_cost) <= self.expected / self.cost:
+            return False
+        self.expected, self.cost = self.expected + self.survival, self.cost + self.verify_cost
+        return True
+
+
+def draft_schedule(confidence_threshold: float | None = None, verify_cost: float | None = None) -> DSparkDraftSchedule:
+    """The schedule that the `confidence_threshold` / `verify_cost` settings describe (fixed length if neither)."""
+    if verify_cost is not None:
+        return DSparkVerifyCostSchedule(verify_cost, confidence_threshold)
+    if confidence_threshold is not None:
+        return DSparkThresholdSchedule(confidence_threshold)
+    return DSparkDraftSchedule()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Token choice: each draft is chosen the way the target will judge it.
+
+
+def _sampling_warpers(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
+    warpers = LogitsProcessorList()
+    if temperature is not None and temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
+class DSparkTokenChooser:
+    """Chooses draft tokens from their Markov-corrected logits (1, V_d), one draft at a time.
+
+    Greedy without processors: the argmax over the draft vocabulary. Otherwise the logits are scattered to the target
+    vocabulary (-inf outside the draft vocab) and processed with the target's own processors, which read the drafts
+    so far; the token is their argmax or a sample, and the processed scores are the q that rejection sampling needs.
+    """
+
+    def __init__(
+        self,
+        draft_to_target: torch.LongTensor,  # (V_d,) target id of each draft id
+        vocab_size: int,
+        sequence: torch.LongTensor,  # (1, t) the committed tokens the processors read
+        do_sample: bool = False,
+        logits_processor: LogitsProcessorList | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        self.draft_to_target, self.vocab_size, self.sequence = draft_to_target, vocab_size, sequence
+        self.do_sample, self.logits_processor, self.generator = do_sample, logits_processor, generator
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Draft logits (1, V_d) -> target id (1,) and the processed target-vocab scores (1, V_t), or None if greedy."""
+        if not (self.do_sample or self.logits_processor):
+            return self.draft_to_target[logits.argmax(dim=-1)], None
+        scores = logits.new_full((1, self.vocab_size), float("-inf"))
+        scores[:, self.draft_to_target] = logits
+        if self.logits_processor:
+            scores = self.logits_processor(self.sequence, scores)
+        if self.do_sample:
+            token = torch.multinomial(F.softmax(scores, dim=-1), 1, generator=self.generator).reshape(1)
+        else:
+            token = scores.argmax(dim=-1)
+        if self.logits_processor:  # processors such as repetition penalty read the drafts so far
+            self.sequence = torch.cat([self.sequence, token.reshape(1, 1)], dim=-1)
+        return token, scores
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Context cache and model outputs
 
 
 class DSparkContextCache:
@@ -360,6 +484,10 @@ class DSparkContextCache:
     def __getitem__(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]
 
+    def __iter__(self):
+        """Per-layer (keys, values), the form the block pass reads context K/V in."""
+        return zip(self.keys, self.values)
+
 
 @dataclass
 class DSparkTrainingOutput(ModelOutput):
@@ -381,6 +509,56 @@ class DSparkDraftOutput(ModelOutput):
     target_logits: torch.Tensor | None = None  # (1, n, V_t) processed, -inf outside the draft vocab (sampling q)
     confidences: torch.Tensor | None = None  # (1, n) calibrated c_n
     survival: torch.Tensor | None = None  # (1, n) a_n = prod_{i<=n} c_i
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Checkpoint and target checks: one clear line per way a drafter cannot load or serve a target.
+
+
+def expected_tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint layout and its shape, from the model itself (built on the meta device)."""
+    with torch.device("meta"):
+        return {name: tuple(t.shape) for name, t in DSparkForDrafting(config).state_dict().items()}
+
+
+def check_checkpoint_shapes(directory: str, config: DSparkConfig):
+    """Refuse, in one line, a checkpoint whose tensor shapes disagree with its config (names the first mismatch)."""
+    expected = expected_tensor_shapes(config)
+    for file in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        with safe_open(file, framework="pt") as checkpoint:
+            for name in checkpoint.keys():
+                shape = tuple(checkpoint.get_slice(name).get_shape())
+                if name in expected and shape != expected[name]:
+                    raise ValueError(
+                        f"{os.path.basename(file)}: {name} has shape {shape} in the checkpoint but {expected[name]} "
+                        "from config.json; fix the config (or re-export the checkpoint) so they agree."
+                    )
+
+
+def check_target_compatibility(config: DSparkConfig, target: PreTrainedModel):
+    """One clear error per way a drafter cannot serve this target (DESIGN §9)."""
+    text_config = target.config.get_text_config()
+    if text_config.hidden_size != config.target_hidden_size:
+        raise ValueError(
+            f"DSpark drafter expects target hidden size {config.target_hidden_size} but the target has "
+            f"{text_config.hidden_size}; use a drafter trained for this target."
+        )
+    if text_config.vocab_size != config.vocab_size:
+        raise ValueError(
+            f"DSpark drafter vocab_size={config.vocab_size} differs from the target's {text_config.vocab_size}; "
+            "use a drafter trained for this target's tokenizer."
+        )
+    depth = text_config.num_hidden_layers
+    if max(config.aux_hidden_state_layer_ids) > depth:
+        raise ValueError(
+            f"DSpark aux layer id {max(config.aux_hidden_state_layer_ids)} is beyond the target's {depth} layers; "
+            f"use aux_hidden_state_layer_ids within [0, {depth}]."
+        )
+    if config.target_num_hidden_layers is not None and config.target_num_hidden_layers != depth:
+        raise ValueError(
+            f"DSpark drafter was trained for a target of {config.target_num_hidden_layers} layers but this target has "
+            f"{depth}; use a drafter trained for this target (target_num_hidden_layers={depth})."
+        )
 
 
 class DSparkPreTrainedModel(PreTrainedModel):
@@ -515,7 +693,6 @@ class DSparkForDrafting(DSparkPreTrainedModel):
 
     # --------------------------------------------------------------------------------------------------------------
     # Shared pieces of training and inference
-
     def fuse_context(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """c_t = hidden_norm(fc([h_s1; ...; h_sm])) : (b, t, m·d) -> (b, t, d)."""
         return self.hidden_norm(self.fc(aux_hidden_states.to(self.fc.weight.dtype)))
@@ -534,69 +711,84 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         ids = torch.stack([anchor_ids] + [mask] * (self.config.block_size - 1), dim=-1)
         return self.embed_tokens(ids)
 
+    def _context_kv(self, context: torch.Tensor, positions: torch.LongTensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer rotated keys and values (b, kv_heads, t, hd) of fused context rows (b, t, d) at their positions."""
+        rope = self.rotary_emb(context, positions)
+        return [layer.self_attn.project_kv(context, rope) for layer in self.layers]
+
+    def _run_block(
+        self,
+        hidden: torch.Tensor,  # (b, q, d) block row embeddings
+        positions: torch.LongTensor,  # (b, q) their positions
+        context_kv,  # per-layer (keys, values) of the context, e.g. a list from `_context_kv` or a DSparkContextCache
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """Block rows through every layer, each reading its context K/V -> normalized rows (b, q, d)."""
+        rope = self.rotary_emb(hidden, positions)
+        for layer, layer_context_kv in zip(self.layers, context_kv):
+            hidden = layer(hidden, rope, layer_context_kv, attention_mask, cache)
+        return self.norm(hidden)
+
+    def _markov_start_state(self, block_hidden: torch.Tensor, anchor_ids: torch.LongTensor) -> torch.Tensor | None:
+        """Markov state before draft 1 from the block rows (..., B, d): slot 0 steps it unless it drafts itself."""
+        if self.markov_head is None or self.config.sample_from_anchor:
+            return None
+        return self.markov_head.anchor_state(block_hidden[..., 0, :], self.markov_head.embed_previous(anchor_ids))
+
     def _markov_and_confidence(
-        self, draft_hidden: torch.Tensor, prev_ids: torch.LongTensor
+        self, draft_hidden: torch.Tensor, prev_ids: torch.LongTensor, state: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Teacher-forced Markov bias (..., N, V_d) and confidence logits (..., N) given each draft's previous token."""
         prev_embeds = self.markov_head.embed_previous(prev_ids) if self.markov_head is not None else None
-        bias = self.markov_head.block_bias(draft_hidden, prev_embeds) if self.markov_head is not None else None
+        bias = self.markov_head.block_bias(draft_hidden, prev_embeds, state) if self.markov_head is not None else None
         confidence = self.confidence_head(draft_hidden, prev_embeds) if self.confidence_head is not None else None
         return bias, confidence
 
     # --------------------------------------------------------------------------------------------------------------
     # Training forward: many (anchor, block) pairs of one sequence per batch row, with the exact inference mask.
 
-    def forward(
-        self,
-        aux_hidden_states: torch.Tensor | None = None,  # (b, T, m·d) target aux states of every position
-        input_ids: torch.LongTensor | None = None,  # (b, T) the sequence (anchors and teacher-forced previous tokens)
-        anchor_positions: torch.LongTensor | None = None,  # (b, J) anchor positions p_j
-        attention_mask: torch.Tensor | None = None,  # (b, T) 1 = real token (right padding)
-        noise_embeds: torch.Tensor | None = None,
-        context_hidden_states: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache=None,
-        **kwargs,
-    ) -> DSparkTrainingOutput | BaseModelOutputWithPast:
-        """Block j sees the context rows t < p_j of its own sequence and its own B block rows, nothing else.
+    def _block_attention_mask(
+        self, anchor_positions: torch.LongTensor, num_context: int, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Bool mask (b, 1, J·B, T + J·B) over [context ; blocks] for anchors (b, J) and T = `num_context` rows.
 
-        Called with `noise_embeds`/`context_hidden_states`/`cache` instead, it serves transformers' built-in
-        `generate(..., speculation_type="dflash")` path (see `_dflash_forward`).
+        The B rows of block j see context rows t < p_j that are real tokens (`attention_mask` (b, T), right padding)
+        and the rows of block j itself, nothing else: exactly what a row sees at inference.
         """
-        if noise_embeds is not None:
-            return self._dflash_forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache)
+        (b, J), B, device = anchor_positions.shape, self.config.block_size, anchor_positions.device
+        sees_context = torch.arange(num_context, device=device)[None, None, :] < anchor_positions[..., None]  # (b, J, T)
+        if attention_mask is not None:
+            sees_context = sees_context & attention_mask.bool()[:, None, :]
+        sees_context = sees_context[:, :, None, :].expand(b, J, B, num_context).reshape(b, J * B, num_context)
+        block_of_row = torch.arange(J * B, device=device) // B
+        sees_block = (block_of_row[:, None] == block_of_row[None, :]).expand(b, J * B, J * B)
+        return torch.cat([sees_context, sees_block], dim=-1)[:, None]
+
+    def _block_training_forward(
+        self,
+        aux_hidden_states: torch.Tensor,  # (b, T, m·d) target aux states of every position
+        input_ids: torch.LongTensor,  # (b, T) the sequence (anchors and teacher-forced previous tokens)
+        anchor_positions: torch.LongTensor,  # (b, J) anchor positions p_j
+        attention_mask: torch.Tensor | None = None,  # (b, T) 1 = real token (right padding)
+    ) -> DSparkTrainingOutput:
+        """Block j sees the context rows t < p_j of its own sequence and its own B block rows, nothing else."""
         b, T = input_ids.shape
         J, B, N = anchor_positions.shape[1], self.config.block_size, self.num_draft_tokens
         device = input_ids.device
-
-        context = self.fuse_context(aux_hidden_states)  # (b, T, d)
-        context_pos = torch.arange(T, device=device).expand(b, T)
-        context_rope = self.rotary_emb(context, context_pos)
-
+        context_kv = self._context_kv(self.fuse_context(aux_hidden_states), torch.arange(T, device=device).expand(b, T))
         anchor_ids = input_ids.gather(1, anchor_positions)  # (b, J)
         hidden = self._block_embeddings(anchor_ids).reshape(b, J * B, -1)  # (b, J·B, d)
         block_pos = (anchor_positions[..., None] + torch.arange(B, device=device)).reshape(b, J * B)
-        block_rope = self.rotary_emb(hidden, block_pos)
-
-        # mask (b, 1, J·B, T + J·B): context t < p_j (and real), plus the block's own rows
-        sees_context = torch.arange(T, device=device)[None, None, :] < anchor_positions[..., None]  # (b, J, T)
-        if attention_mask is not None:
-            sees_context = sees_context & attention_mask.bool()[:, None, :]
-        sees_context = sees_context[:, :, None, :].expand(b, J, B, T).reshape(b, J * B, T)
-        block_of_row = torch.arange(J * B, device=device) // B
-        sees_block = (block_of_row[:, None] == block_of_row[None, :]).expand(b, J * B, J * B)
-        mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]
-
-        for layer in self.layers:
-            context_kv = layer.self_attn.project_kv(context, context_rope)
-            hidden = layer(hidden, block_rope, context_kv, mask)
-        hidden = self.norm(hidden).reshape(b, J, B, -1)
+        mask = self._block_attention_mask(anchor_positions, T, attention_mask)
+        hidden = self._run_block(hidden, block_pos, context_kv, mask).reshape(b, J, B, -1)
 
         draft_hidden = self._draft_rows(hidden)  # (b, J, N, d)
         base_logits = self.lm_head(draft_hidden)
         label_positions = anchor_positions[..., None] + torch.arange(1, N + 1, device=device)  # (b, J, N)
         prev_ids = input_ids.gather(1, (label_positions - 1).clamp(max=T - 1).reshape(b, J * N)).reshape(b, J, N)
-        bias, confidence_logits = self._markov_and_confidence(draft_hidden, prev_ids)
+        state = self._markov_start_state(hidden, anchor_ids)
+        bias, confidence_logits = self._markov_and_confidence(draft_hidden, prev_ids, state)
         return DSparkTrainingOutput(
             logits=base_logits + bias if bias is not None else base_logits,
             base_logits=base_logits,
@@ -622,13 +814,30 @@ class DSparkForDrafting(DSparkPreTrainedModel):
             raise ValueError("DSpark drafting needs an unpadded prompt (attention_mask all ones); drop the padding.")
         num_context = context_hidden_states.shape[1]
         context = self.fuse_context(context_hidden_states)
-        hidden = noise_embeds.to(context.dtype)
-        context_rope = self.rotary_emb(context, position_ids[:, :num_context])
-        block_rope = self.rotary_emb(hidden, position_ids[:, num_context:])
-        for layer in self.layers:
-            context_kv = layer.self_attn.project_kv(context, context_rope)
-            hidden = layer(hidden, block_rope, context_kv, None, cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=cache)
+        context_kv = self._context_kv(context, position_ids[:, :num_context])
+        hidden = self._run_block(noise_embeds.to(context.dtype), position_ids[:, num_context:], context_kv, None, cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache)
+
+    def forward(
+        self,
+        aux_hidden_states: torch.Tensor | None = None,  # (b, T, m·d) target aux states of every position
+        input_ids: torch.LongTensor | None = None,  # (b, T) the sequence (anchors and teacher-forced previous tokens)
+        anchor_positions: torch.LongTensor | None = None,  # (b, J) anchor positions p_j
+        attention_mask: torch.Tensor | None = None,  # (b, T) 1 = real token (right padding)
+        noise_embeds: torch.Tensor | None = None,
+        context_hidden_states: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        **kwargs,
+    ) -> DSparkTrainingOutput | BaseModelOutputWithPast:
+        """The block-training forward over (anchor, block) pairs (see `_block_training_forward`).
+
+        Called with `noise_embeds`/`context_hidden_states`/`cache` instead, it serves transformers' built-in
+        `generate(..., speculation_type="dflash")` path (see `_dflash_forward`).
+        """
+        if noise_embeds is not None:
+            return self._dflash_forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache)
+        return self._block_training_forward(aux_hidden_states, input_ids, anchor_positions, attention_mask)
 
     # --------------------------------------------------------------------------------------------------------------
     # Inference
@@ -639,21 +848,72 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         start = cache.get_seq_length()
         context = self.fuse_context(aux_hidden_states)
         positions = torch.arange(start, start + context.shape[1], device=context.device).expand(context.shape[0], -1)
-        rope = self.rotary_emb(context, positions)
-        for i, layer in enumerate(self.layers):
-            cache.update(i, *layer.self_attn.project_kv(context, rope))
+        for i, layer_kv in enumerate(self._context_kv(context, positions)):
+            cache.update(i, *layer_kv)
         return cache
 
     @torch.no_grad()
-    def block_hidden_states(self, cache: DSparkContextCache, anchor_ids: torch.LongTensor) -> torch.Tensor:
-        """The one parallel pass: (b,) anchors at position = context length -> normalized draft rows (b, N, d)."""
+    def block_rows(self, cache: DSparkContextCache, anchor_ids: torch.LongTensor) -> torch.Tensor:
+        """The one parallel pass: (b,) anchors at position = context length -> normalized block rows (b, B, d)."""
         hidden = self._block_embeddings(anchor_ids)  # (b, B, d)
         start = cache.get_seq_length()
         positions = torch.arange(start, start + self.config.block_size, device=hidden.device).expand(hidden.shape[0], -1)
-        rope = self.rotary_emb(hidden, positions)
-        for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, rope, cache[i], None)
-        return self._draft_rows(self.norm(hidden))
+        return self._run_block(hidden, positions, cache)
+
+    @torch.no_grad()
+    def block_hidden_states(self, cache: DSparkContextCache, anchor_ids: torch.LongTensor) -> torch.Tensor:
+        """Normalized draft rows (b, N, d) of the parallel pass."""
+        return self._draft_rows(self.block_rows(cache, anchor_ids))
+
+    def _markov_step(
+        self, base_logits: torch.Tensor, hidden: torch.Tensor, prev: torch.LongTensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Draft n's logits U_n + bias(prev, state) (1, V_d) from U_n (1, V_d) and its row (1, d); also W1[prev] (the
+        confidence head reads it) and the next Markov state."""
+        if self.markov_head is None:
+            return base_logits, None, state
+        prev_embeds = self.markov_head.embed_previous(prev)
+        bias, state = self.markov_head.step(hidden, prev_embeds, state)
+        return base_logits + bias.float(), prev_embeds, state
+
+    def _calibrated_confidence(self, hidden: torch.Tensor, prev_embeds: torch.Tensor | None, n: int) -> torch.Tensor:
+        """c_n = σ(confidence logit / T_n) (1,), with draft n's calibrated temperature T_n."""
+        logit = self.confidence_head(hidden, prev_embeds).float()
+        return torch.sigmoid(logit / self.config.confidence_temperatures[n])
+
+    def _draft_tokens(
+        self,
+        draft_hidden: torch.Tensor,  # (1, n, d) the drafts' rows
+        anchor: torch.LongTensor,  # (1,)
+        state: torch.Tensor | None,  # Markov state before draft 1
+        schedule: DSparkDraftSchedule,
+        chooser: DSparkTokenChooser,
+    ) -> DSparkDraftOutput:
+        """The sequential stage: draft n = choice(U_n + bias(x_{n-1})), while the schedule admits its c_n."""
+        base_logits = self.lm_head(draft_hidden).float()  # (1, n, V_d)
+        tokens, draft_logits, target_logits, confidences = [], [], [], []
+        prev = anchor
+        schedule.start()
+        for n in range(draft_hidden.shape[1]):
+            logits, prev_embeds, state = self._markov_step(base_logits[:, n], draft_hidden[:, n], prev, state)
+            if self.confidence_head is not None:
+                confidence = self._calibrated_confidence(draft_hidden[:, n], prev_embeds, n)
+                if not schedule.admit(float(confidence)):
+                    break
+                confidences.append(confidence)
+            prev, scores = chooser.choose(logits)
+            tokens.append(prev)
+            draft_logits.append(logits)
+            if scores is not None:
+                target_logits.append(scores)
+        confidences = torch.cat(confidences)[None] if confidences else None  # (1, n)
+        return DSparkDraftOutput(
+            token_ids=torch.stack(tokens, dim=1) if tokens else anchor.new_zeros((1, 0)),
+            draft_logits=torch.stack(draft_logits, dim=1) if draft_logits else None,
+            target_logits=torch.stack(target_logits, dim=1) if target_logits else None,
+            confidences=confidences,
+            survival=torch.cumprod(confidences.double(), dim=-1).to(confidences.dtype) if confidences is not None else None,
+        )
 
     @torch.no_grad()
     def draft_block(
@@ -670,128 +930,41 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         confidence_threshold: float | None = None,
         verify_cost: float | None = None,
         generator: torch.Generator | None = None,
+        schedule: DSparkDraftSchedule | None = None,
     ) -> DSparkDraftOutput:
         """Draft one block after the cached context: one parallel pass, then the Markov head left to right.
 
         Sampling draws each x_n from q_n = softmax(processed(U_n + bias(prev))), scattered to the target vocab; the
-        processed target-vocab logits are returned so rejection sampling uses exactly that q. With
-        `confidence_threshold` the block is cut at the first n whose survival a_n falls below it; with `verify_cost`
-        (cost of one more verified token relative to a verify pass), draft n is kept only while it raises the
-        expected accepted tokens per unit cost. Both look only at c_n, which depends on tokens before n (lossless).
+        processed target-vocab logits are returned so rejection sampling uses exactly that q. A `schedule` may end
+        the block early from the calibrated confidences; `confidence_threshold` / `verify_cost` build the threshold
+        and verify-cost schedules (see `draft_schedule`).
         """
         num_drafts = self.num_draft_tokens if num_drafts is None else min(num_drafts, self.num_draft_tokens)
-        device = self.fc.weight.device
-        anchor = torch.as_tensor(anchor_id, device=device).reshape(1)
-        draft_hidden = self.block_hidden_states(cache, anchor)[:, :num_drafts]  # (1, n, d)
-        base_logits = self.lm_head(draft_hidden).float()  # (1, n, V_d)
+        anchor = torch.as_tensor(anchor_id, device=self.fc.weight.device).reshape(1)
+        block_hidden = self.block_rows(cache, anchor)  # (1, B, d)
         if logits_processor is None and do_sample:
             logits_processor = _sampling_warpers(temperature, top_k, top_p)
-        draft_to_target = self.draft_to_target_ids
-        temperatures = self.config.confidence_temperatures
-        wants_target_logits = do_sample or bool(logits_processor)
         sequence = input_ids if input_ids is not None else anchor.reshape(1, 1)
+        chooser = DSparkTokenChooser(self.draft_to_target_ids, self.config.vocab_size, sequence, do_sample, logits_processor, generator)
+        schedule = schedule if schedule is not None else draft_schedule(confidence_threshold, verify_cost)
+        state = self._markov_start_state(block_hidden, anchor)
+        return self._draft_tokens(self._draft_rows(block_hidden)[:, :num_drafts], anchor, state, schedule, chooser)
 
-        tokens, draft_logits, target_logits, confidences, survival = [], [], [], [], []
-        prev = anchor
-        alive, expected, cost = 1.0, 1.0, 1.0
-        state = None
-        for n in range(num_drafts):
-            hidden_n = draft_hidden[:, n]  # (1, d)
-            prev_embeds = self.markov_head.embed_previous(prev) if self.markov_head is not None else None
-            logits_n = base_logits[:, n]
-            if self.markov_head is not None:
-                bias, state = self.markov_head.step(hidden_n, prev_embeds, state)
-                logits_n = logits_n + bias.float()
-            if self.confidence_head is not None:
-                confidence = torch.sigmoid(self.confidence_head(hidden_n, prev_embeds).float() / temperatures[n])
-                alive = alive * float(confidence)
-                if confidence_threshold is not None and alive < confidence_threshold:
-                    break
-                if verify_cost is not None and (expected + alive) / (cost + verify_cost) <= expected / cost:
-                    break
-                expected, cost = expected + alive, cost + verify_cost if verify_cost is not None else cost
-                confidences.append(confidence)
-                survival.append(torch.full_like(confidence, alive))
+    # --------------------------------------------------------------------------------------------------------------
+    # transformers integration: the routing hook (end of this file) calls this, bound to the drafter, to serve
+    # `target.generate(..., assistant_model=drafter)`; its name is DSPARK_FACTORY_ATTRIBUTE.
 
-            if wants_target_logits:
-                scores = logits_n.new_full((1, self.config.vocab_size), float("-inf"))
-                scores[:, draft_to_target] = logits_n
-                if logits_processor:
-                    scores = logits_processor(sequence, scores)
-                if do_sample:
-                    token = torch.multinomial(F.softmax(scores, dim=-1), 1, generator=generator).reshape(1)
-                else:
-                    token = scores.argmax(dim=-1)
-                target_logits.append(scores)
-            else:
-                token = draft_to_target[logits_n.argmax(dim=-1)]
-            tokens.append(token)
-            draft_logits.append(logits_n)
-            if logits_processor:  # processors such as repetition penalty read the drafts so far
-                sequence = torch.cat([sequence, token.reshape(1, 1)], dim=-1)
-            prev = token
-
-        def stack(values, dim=1):
-            return torch.stack(values, dim=dim) if values else None
-
-        return DSparkDraftOutput(
-            token_ids=stack(tokens) if tokens else anchor.new_zeros((1, 0)),
-            draft_logits=stack(draft_logits),
-            target_logits=stack(target_logits),
-            confidences=torch.cat(confidences, dim=-1)[None] if confidences else None,
-            survival=torch.cat(survival, dim=-1)[None] if survival else None,
-        )
-
-
-def _sampling_warpers(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
-    warpers = LogitsProcessorList()
-    if temperature is not None and temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(temperature))
-    if top_k:
-        warpers.append(TopKLogitsWarper(top_k))
-    if top_p is not None and top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p))
-    return warpers
-
-
-def expected_tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the checkpoint layout and its shape, from the model itself (built on the meta device)."""
-    with torch.device("meta"):
-        return {name: tuple(t.shape) for name, t in DSparkForDrafting(config).state_dict().items()}
-
-
-def check_checkpoint_shapes(directory: str, config: DSparkConfig):
-    """Refuse, in one line, a checkpoint whose tensor shapes disagree with its config (names the first mismatch)."""
-    expected = expected_tensor_shapes(config)
-    for file in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
-        with safe_open(file, framework="pt") as checkpoint:
-            for name in checkpoint.keys():
-                shape = tuple(checkpoint.get_slice(name).get_shape())
-                if name in expected and shape != expected[name]:
-                    raise ValueError(
-                        f"{os.path.basename(file)}: {name} has shape {shape} in the checkpoint but {expected[name]} "
-                        "from config.json; fix the config (or re-export the checkpoint) so they agree."
-                    )
-
-
-def check_target_compatibility(config: DSparkConfig, target: PreTrainedModel):
-    """One clear error per way a drafter cannot serve this target (DESIGN §9)."""
-    text_config = target.config.get_text_config()
-    if text_config.hidden_size != config.target_hidden_size:
-        raise ValueError(
-            f"DSpark drafter expects target hidden size {config.target_hidden_size} but the target has "
-            f"{text_config.hidden_size}; use a drafter trained for this target."
-        )
-    if text_config.vocab_size != config.vocab_size:
-        raise ValueError(
-            f"DSpark drafter vocab_size={config.vocab_size} differs from the target's {text_config.vocab_size}; "
-            "use a drafter trained for this target's tokenizer."
-        )
-    depth = text_config.num_hidden_layers
-    if max(config.aux_hidden_state_layer_ids) > depth:
-        raise ValueError(
-            f"DSpark aux layer id {max(config.aux_hidden_state_layer_ids)} is beyond the target's {depth} layers; "
-            f"use aux_hidden_state_layer_ids within [0, {depth}]."
+    def _dspark_candidate_generator_factory(
+        self,
+        target: PreTrainedModel,
+        generation_config: GenerationConfig,
+        input_ids: torch.LongTensor,
+        logits_processor: LogitsProcessorList,
+        model_kwargs: dict[str, Any],
+    ) -> DSparkCandidateGenerator:
+        stopping_criteria = getattr(self, DSPARK_STOPPING_ATTRIBUTE, None)  # set for this call by the routing hook
+        return DSparkCandidateGenerator(
+            self, target, input_ids, generation_config, logits_processor, model_kwargs, stopping_criteria
         )
 
 
@@ -851,6 +1024,27 @@ class DSparkGenerationStats:
         }
 
 
+def _stops_inside_a_round(stopping_criteria: StoppingCriteriaList | None) -> StoppingCriteriaList | None:
+    """The criteria a round must check draft by draft: transformers itself cuts rounds at max length and EOS."""
+    kept = [c for c in stopping_criteria or () if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    return StoppingCriteriaList(kept) if kept else None
+
+
+def _check_generation_limits(generation_config: GenerationConfig, batch_size: int | None = None):
+    """The limits of assisted generation, each as one clear error (transformers would silently beam-search)."""
+    if generation_config.num_beams > 1:
+        raise ValueError(
+            f"DSpark speculative decoding does not support beam search (num_beams={generation_config.num_beams}); use num_beams=1."
+        )
+    if generation_config.num_return_sequences > 1:
+        raise ValueError(
+            f"DSpark speculative decoding returns one sequence (num_return_sequences={generation_config.num_return_sequences}); "
+            "call generate repeatedly instead."
+        )
+    if batch_size is not None and batch_size != 1:
+        raise ValueError(f"DSpark speculative decoding supports batch size 1, got {batch_size}; call generate once per prompt.")
+
+
 class DSparkCandidateGenerator(CandidateGenerator):
     """Feeds the drafter the aux hidden states of committed positions from each verify pass and drafts one block.
 
@@ -869,31 +1063,23 @@ class DSparkCandidateGenerator(CandidateGenerator):
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList | None = None,
         model_kwargs: dict[str, Any] | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
     ):
         _check_generation_limits(generation_config, batch_size=input_ids.shape[0])
-        attention_mask = (model_kwargs or {}).get("attention_mask")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("DSpark speculative decoding needs an unpadded prompt (attention_mask all ones); drop the padding.")
         check_target_compatibility(drafter.config, target)
+        if drafter.config.bind_target_embeddings and getattr(drafter, "_bound_target", None) != target.config.name_or_path:
+            drafter.bind_target(target)
         self.drafter = drafter
         self.aux_layer_ids = list(drafter.config.aux_hidden_state_layer_ids)
         # Ask the verify pass for exactly the aux layers; a user asking for all hidden states gets them all.
         wants_all = generation_config.output_hidden_states and generation_config.return_dict_in_generate
         self.model_kwargs_overrides = {"output_hidden_states": True if wants_all else self.aux_layer_ids}
-        if drafter.config.bind_target_embeddings and getattr(drafter, "_bound_target", None) != target.config.name_or_path:
-            drafter.bind_target(target)
-
-        drafting = drafter.generation_config
-        self.num_drafts = int(getattr(drafting, "num_assistant_tokens", None) or drafter.num_draft_tokens)
-        self.confidence_threshold = getattr(drafting, "dspark_confidence_threshold", None)
-        self.verify_cost = getattr(drafting, "dspark_verify_cost", None)
-        if (self.confidence_threshold is not None or self.verify_cost is not None) and drafter.confidence_head is None:
-            raise ValueError(
-                "confidence-scheduled drafting needs a confidence head; set enable_confidence_head or unset "
-                "dspark_confidence_threshold / dspark_verify_cost on the drafter's generation_config."
-            )
+        self.num_drafts = int(getattr(drafter.generation_config, "num_assistant_tokens", None) or drafter.num_draft_tokens)
+        self.schedule = self._make_schedule()
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor if logits_processor else None
+        self.stopping_criteria = _stops_inside_a_round(stopping_criteria)
+        self.generation_config = generation_config  # the one `_assisted_decoding` reads each round
         self.max_length = generation_config.max_length
         self.cache = DSparkContextCache()
         self.stats = DSparkGenerationStats(num_draft_tokens=drafter.num_draft_tokens)
@@ -901,6 +1087,59 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._last_drafted = 0
         self._verify_started = None
         self._prefilled = False
+
+    def _make_schedule(self) -> DSparkDraftSchedule:
+        """The draft schedule set on the drafter's generation_config (`dspark_confidence_threshold`, `dspark_verify_cost`)."""
+        drafting = self.drafter.generation_config
+        threshold = getattr(drafting, "dspark_confidence_threshold", None)
+        verify_cost = getattr(drafting, "dspark_verify_cost", None)
+        if (threshold is not None or verify_cost is not None) and self.drafter.confidence_head is None:
+            raise ValueError(
+                "confidence-scheduled drafting needs a confidence head; set enable_confidence_head or unset "
+                "dspark_confidence_threshold / dspark_verify_cost on the drafter's generation_config."
+            )
+        return draft_schedule(threshold, verify_cost)
+
+    def _commit_context(self, input_ids: torch.LongTensor, model_outputs: ModelOutput | None):
+        """Append every position before the anchor that the drafter has not seen yet (aux states of the last verify)."""
+        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
+            raise ValueError("DSpark drafting needs the target's hidden states from the verify pass; none were returned.")
+        num_new = input_ids.shape[1] - 1 - self.cache.get_seq_length()
+        aux = torch.cat([model_outputs.hidden_states[i][:, :num_new] for i in self.aux_layer_ids], dim=-1)
+        self.drafter.extend_context(self.cache, aux.to(self.drafter.fc.weight.device))
+
+    def _cut_at_stop(self, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> torch.LongTensor:
+        """Drafts up to the first on which a stopping criterion fires, and a round that ends on it if it is accepted.
+
+        Whether draft n is proposed depends only on the tokens before it (lossless, as for EOS). transformers commits
+        the accepted drafts plus a bonus token, cropped to `generation_config.max_length`, which it reads each round:
+        lowering it for this round keeps the bonus from stepping past the stop (restored in
+        `update_candidate_strategy`).
+        """
+        if self.stopping_criteria is None:
+            return tokens
+        for n in range(tokens.shape[1]):
+            if bool(self.stopping_criteria(torch.cat([input_ids, tokens[:, : n + 1]], dim=-1), None).any()):
+                self.generation_config.max_length = input_ids.shape[1] + n + 1
+                return tokens[:, : n + 1]
+        return tokens
+
+    def _draft(self, input_ids: torch.LongTensor, budget: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Candidates (the sequence plus up to `budget` drafts) and, when sampling, the q they were drawn from."""
+        device = self.drafter.fc.weight.device
+        draft = self.drafter.draft_block(
+            self.cache,
+            input_ids[0, -1].to(device),
+            num_drafts=budget,
+            do_sample=self.do_sample,
+            logits_processor=self.logits_processor,
+            input_ids=input_ids.to(device),
+            schedule=self.schedule,
+        )
+        tokens = self._cut_at_stop(input_ids, draft.token_ids.to(input_ids.device))
+        self._last_drafted = tokens.shape[1]
+        candidates = torch.cat([input_ids, tokens], dim=-1)
+        return candidates, draft.target_logits[:, : tokens.shape[1]] if self.do_sample and self._last_drafted else None
 
     def get_candidates(
         self,
@@ -916,38 +1155,17 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if is_first_iteration:
             self._verify_started = time.perf_counter()
             return input_ids, None
-        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
-            raise ValueError("DSpark drafting needs the target's hidden states from the verify pass; none were returned.")
-
-        # Commit every position before the anchor that the drafter has not seen yet.
-        num_new = input_ids.shape[1] - 1 - self.cache.get_seq_length()
-        device = self.drafter.fc.weight.device
-        aux = torch.cat([model_outputs.hidden_states[i][:, :num_new] for i in self.aux_layer_ids], dim=-1)
-        self.drafter.extend_context(self.cache, aux.to(device))
-
+        self._commit_context(input_ids, model_outputs)
+        candidates, candidate_logits = input_ids, None
         budget = min(self.num_drafts, self.max_length - input_ids.shape[1] - 1)
-        if budget <= 0:
-            self.stats.draft_time_s += time.perf_counter() - start
-            self._verify_started = time.perf_counter()
-            return input_ids, None
-        draft = self.drafter.draft_block(
-            self.cache,
-            input_ids[0, -1].to(device),
-            num_drafts=budget,
-            do_sample=self.do_sample,
-            logits_processor=self.logits_processor,
-            input_ids=input_ids.to(device),
-            confidence_threshold=self.confidence_threshold,
-            verify_cost=self.verify_cost,
-        )
-        self._last_drafted = draft.token_ids.shape[1]
-        candidates = torch.cat([input_ids, draft.token_ids.to(input_ids.device)], dim=-1)
-        candidate_logits = draft.target_logits if self.do_sample and self._last_drafted else None
+        if budget > 0:
+            candidates, candidate_logits = self._draft(input_ids, budget)
         self.stats.draft_time_s += time.perf_counter() - start
         self._verify_started = time.perf_counter()
         return candidates, candidate_logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        self.generation_config.max_length = self.max_length  # undo a stop's round cut (see `_cut_at_stop`)
         if self._verify_started is not None:
             self.stats.verify_time_s += time.perf_counter() - self._verify_started
         if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
@@ -956,49 +1174,19 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._prefilled = True
 
 
-def _dspark_candidate_generator_factory(
-    drafter: DSparkForDrafting,
-    target: PreTrainedModel,
-    generation_config: GenerationConfig,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    model_kwargs: dict[str, Any],
-) -> DSparkCandidateGenerator:
-    return DSparkCandidateGenerator(drafter, target, input_ids, generation_config, logits_processor, model_kwargs)
+# ------------------------------------------------------------------------------------------------------------------
+# Routing hook: installed once per process, whichever copy of this file (library or a checkpoint's remote code) is
+# imported first; each wrapper dispatches on the assistant's own factory, so the assistant's copy builds its generator.
 
-
-# The namespaced attribute the routing hook looks for on an assistant model.
+# The namespaced method the hooks look for on an assistant model (DSparkForDrafting defines it), and the attribute
+# through which one generate call hands its stopping criteria to that factory.
 DSPARK_FACTORY_ATTRIBUTE = "_dspark_candidate_generator_factory"
-DSparkForDrafting._dspark_candidate_generator_factory = _dspark_candidate_generator_factory
+DSPARK_STOPPING_ATTRIBUTE = "_dspark_stopping_criteria"
 
 
-def _check_generation_limits(generation_config: GenerationConfig, batch_size: int | None = None):
-    """The limits of assisted generation, each as one clear error (transformers would silently beam-search)."""
-    if generation_config.num_beams > 1:
-        raise ValueError(
-            f"DSpark speculative decoding does not support beam search (num_beams={generation_config.num_beams}); use num_beams=1."
-        )
-    if generation_config.num_return_sequences > 1:
-        raise ValueError(
-            f"DSpark speculative decoding returns one sequence (num_return_sequences={generation_config.num_return_sequences}); "
-            "call generate repeatedly instead."
-        )
-    if batch_size is not None and batch_size != 1:
-        raise ValueError(f"DSpark speculative decoding supports batch size 1, got {batch_size}; call generate once per prompt.")
-
-
-def install_dspark_routing():
-    """Wrap `GenerationMixin._get_candidate_generator` once so DSpark assistants get their own generator.
-
-    Idempotent across every copy of this module (the library's and each checkpoint's remote code): the wrappers are
-    marked, and they dispatch on the assistant's own factory, so plain small-LM assistants, prompt lookup and
-    `speculation_type="dflash"` take the original path untouched. A second wrapper on `_validate_generation_mode`
-    turns the modes a drafter cannot serve (beam search) into a clear error instead of silently ignoring it.
-    """
-    original = GenerationMixin._get_candidate_generator
-    if getattr(original, "_dspark_routing", False):
-        return
-    original_validate = GenerationMixin._validate_generation_mode
+def _route_candidate_generator(original: Callable) -> Callable:
+    """DSpark assistants get their own generator; small-LM assistants, prompt lookup and `speculation_type="dflash"`
+    take transformers' path untouched."""
 
     @functools.wraps(original)
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
@@ -1015,16 +1203,61 @@ def install_dspark_routing():
                         assistant_model=assistant_model, target_tokenizer=target_tokenizer,
                         assistant_tokenizer=assistant_tokenizer)
 
-    @functools.wraps(original_validate)
-    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        if getattr(generation_mode_kwargs.get("assistant_model"), DSPARK_FACTORY_ATTRIBUTE, None) is not None:
-            _check_generation_limits(generation_config)
-        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
+    return _get_candidate_generator
 
-    _get_candidate_generator._dspark_routing = True
-    _validate_generation_mode._dspark_routing = True
-    GenerationMixin._get_candidate_generator = _get_candidate_generator
-    GenerationMixin._validate_generation_mode = _validate_generation_mode
+
+def _guard_generation_mode(original: Callable) -> Callable:
+    """Our one-line errors come first: the modes a drafter cannot serve (transformers would silently ignore beam
+    search) and a target it does not fit (transformers would advise passing tokenizers for another vocabulary)."""
+
+    @functools.wraps(original)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        assistant_model = generation_mode_kwargs.get("assistant_model")
+        if getattr(assistant_model, DSPARK_FACTORY_ATTRIBUTE, None) is not None:
+            _check_generation_limits(generation_config)
+            check_target_compatibility(assistant_model.config, self)
+        return original(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    return _validate_generation_mode
+
+
+def _share_stopping_criteria(original: Callable) -> Callable:
+    """Hand the stopping criteria generate() built to a DSpark assistant for this call (`_get_candidate_generator`
+    does not receive them), so that drafts never run past a stop string or a custom criterion."""
+
+    @functools.wraps(original)
+    def _assisted_decoding(self, *args, **kwargs):
+        assistant_model = kwargs.get("assistant_model")
+        if getattr(assistant_model, DSPARK_FACTORY_ATTRIBUTE, None) is None:
+            return original(self, *args, **kwargs)
+        setattr(assistant_model, DSPARK_STOPPING_ATTRIBUTE, kwargs.get("stopping_criteria"))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            setattr(assistant_model, DSPARK_STOPPING_ATTRIBUTE, None)
+
+    return _assisted_decoding
+
+
+DSPARK_HOOKS = {
+    "_get_candidate_generator": _route_candidate_generator,
+    "_validate_generation_mode": _guard_generation_mode,
+    "_assisted_decoding": _share_stopping_criteria,
+}
+
+
+def install_dspark_routing():
+    """Wrap each `GenerationMixin` method in DSPARK_HOOKS once, so DSpark assistants get their own generator.
+
+    Idempotent across every copy of this module: each wrapper is marked, and a method already wrapped (by this or
+    another copy) is left alone.
+    """
+    for name, wrap in DSPARK_HOOKS.items():
+        original = getattr(GenerationMixin, name)
+        if not getattr(original, "_dspark_routing", False):
+            wrapper = wrap(original)
+            wrapper._dspark_routing = True
+            setattr(GenerationMixin, name, wrapper)
 
 
 install_dspark_routing()
@@ -1038,10 +1271,14 @@ __all__ = [
     "DSparkCandidateGenerator",
     "DSparkContextCache",
     "DSparkDraftOutput",
+    "DSparkDraftSchedule",
     "DSparkForDrafting",
     "DSparkGenerationStats",
     "DSparkPreTrainedModel",
+    "DSparkThresholdSchedule",
     "DSparkTrainingOutput",
+    "DSparkVerifyCostSchedule",
+    "draft_schedule",
     "expected_tensor_shapes",
     "install_dspark_routing",
 ]

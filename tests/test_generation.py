@@ -340,8 +340,10 @@ def test_mismatched_targets_fail_clearly():
     ]:
         with pytest.raises(ValueError, match=message):
             other.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=5, assistant_model=drafter, pad_token_id=0)
-    with pytest.raises(ValueError):  # transformers itself refuses an assistant of another vocabulary first
+    # our one-line error, not transformers' advice to pass `tokenizer` and `assistant_tokenizer`
+    with pytest.raises(ValueError, match="vocab_size=96 differs from the target's 97") as error:
         other_vocab.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=5, assistant_model=drafter, pad_token_id=0)
+    assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="vocab_size=96 differs from the target's 97"):
         drafter.bind_target(other_vocab)
 

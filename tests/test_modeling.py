@@ -222,9 +222,11 @@ def test_greedy_drafting_is_argmax_of_parallel_logits_plus_markov_bias(markov_he
     cache = drafter.extend_context(DSparkContextCache(), aux)
     draft = drafter.draft_block(cache, 9)
 
+    rows = drafter.block_rows(cache, torch.tensor([9]))
     hidden = drafter.block_hidden_states(cache, torch.tensor([9]))
     U = drafter.lm_head(hidden)
-    head, prev, state, tokens = drafter.markov_head, torch.tensor([9]), None, []
+    head, prev, tokens = drafter.markov_head, torch.tensor([9]), []
+    state = drafter._markov_start_state(rows, prev)  # rnn: slot 0 has stepped the recurrence
     for n in range(drafter.num_draft_tokens):
         bias, state = head.step(hidden[:, n], head.embed_previous(prev), state)
         prev = drafter.draft_to_target_ids[(U[:, n] + bias).argmax(-1)]
@@ -259,6 +261,52 @@ def test_rnn_bias_carries_state_and_gated_bias_reads_the_hidden_row():
     gated = make_drafter(target, markov_head_type="gated").markov_head
     prev = gated.embed_previous(torch.tensor([[4]]))
     assert not torch.allclose(gated.block_bias(hidden[:, :1], prev), gated.block_bias(hidden[:, :1] + 1, prev))
+
+
+def reference_rnn_logits(drafter, rows: torch.Tensor, block_tokens: list[int]) -> torch.Tensor:
+    """Slow, literal rnn Markov recurrence over every slot 0..B-1 of one block, as speculators 0.9.0 runs it.
+
+    rows (B, d) are the block's normalized rows; block_tokens [x_p, x_p+1, ...] the anchor and the tokens after it.
+    Slot k's previous token is x_p+k-1 (x_p for slot 0) with `sample_from_anchor`, else x_p+k-2 (x_p for slots 0, 1);
+    the state starts at zero on slot 0 and every slot updates it. Returns the logits of the drafting slots (N, V_d).
+    """
+    head, B = drafter.markov_head, drafter.config.block_size
+    shift = 1 if drafter.config.sample_from_anchor else 2
+    r = head.markov_rank
+    state, logits = torch.zeros(r), []
+    for k in range(B):
+        prev = block_tokens[max(k + 1 - shift, 0)]
+        z = torch.cat([state, head.markov_w1.weight[prev], rows[k]])
+        projected = head.joint_proj.weight @ z + head.joint_proj.bias
+        gate, candidate, output = torch.sigmoid(projected[:r]), torch.tanh(projected[r : 2 * r]), projected[2 * r :]
+        state = gate * state + (1 - gate) * candidate
+        logits.append(drafter.lm_head.weight @ rows[k] + head.markov_w2.weight @ torch.tanh(output))
+    logits = torch.stack(logits)
+    return logits if drafter.config.sample_from_anchor else logits[1:]
+
+
+@pytest.mark.parametrize("sample_from_anchor", [False, True])
+def test_rnn_markov_head_runs_the_recurrence_over_every_slot(sample_from_anchor):
+    """Training forward and `draft_block` both equal the slow slot-0..B-1 recurrence (speculators' rnn semantics)."""
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, markov_head_type="rnn", sample_from_anchor=sample_from_anchor, block_size=5)
+    with torch.no_grad():  # a strong recurrence, so that skipping slot 0 would show in every draft
+        drafter.markov_head.joint_proj.weight.normal_(0, 0.5)
+        drafter.markov_head.markov_w1.weight.normal_(0, 1.0)
+        drafter.markov_head.markov_w2.weight.normal_(0, 1.0)
+    torch.manual_seed(7)
+    T, p = 16, 9
+    aux, input_ids = torch.randn(1, T, 3 * 64), torch.randint(3, 90, (1, T))
+    draft = _draft_all(drafter, aux[:, :p], input_ids[0, p])
+    N = drafter.num_draft_tokens
+    input_ids[0, p + 1 : p + 1 + N] = draft.token_ids[0]  # teacher-force the drafter's own drafts
+    cache = drafter.extend_context(DSparkContextCache(), aux[:, :p])
+    rows = drafter.block_rows(cache, input_ids[0, p : p + 1])[0]
+    with torch.no_grad():
+        expected = reference_rnn_logits(drafter, rows, input_ids[0, p : p + 1 + N].tolist())
+    torch.testing.assert_close(draft.draft_logits[0], expected, rtol=1e-5, atol=1e-5)
+    out = drafter(aux_hidden_states=aux, input_ids=input_ids, anchor_positions=torch.tensor([[p]]))
+    torch.testing.assert_close(out.logits[0, 0], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_confidence_head_and_temperatures_shape_the_survival():
