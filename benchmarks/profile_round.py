@@ -13,7 +13,8 @@ drafter pass), chitchat test prompts, greedy. Each stage is timed by wrapping it
 Part 2 (k = 0 rounds): plain greedy vs assisted rounds that never draft: (a) a generator that returns no candidates
 and never runs a drafter (transformers' assisted loop alone), (b) the drafter with the hardware schedule forced to
 k = 0 and the back-off on (the shipped behaviour when drafting does not pay), (c) the same with the back-off off (a
-drafter pass every round). Prompts × repetitions interleaved; medians of per-token time.
+drafter pass every round). Prompts × repetitions interleaved; medians of per-token wall time and of this process's
+CPU time (with one thread, the CPU time is the steadier measure on a shared machine).
 
     PYTHONPATH=. python benchmarks/profile_round.py --threads 1 --dtype bfloat16
 """
@@ -140,16 +141,19 @@ def k0_costs(target, drafter, encoded, max_new_tokens: int, repetitions: int) ->
                 kwargs = dict(methods[name])
                 if kwargs.pop("_no_backoff", False):
                     modeling_dspark.DSparkDrafterBackoff.should_skip = lambda self: False
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 out = target.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                                       do_sample=False, pad_token_id=target.generation_config.eos_token_id, **kwargs)
-                elapsed = time.perf_counter() - start
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
                 modeling_dspark.DSparkDrafterBackoff.should_skip = original_backoff
                 if rep:
-                    per_token[name].append(elapsed / (out.shape[1] - inputs["input_ids"].shape[1]))
-    plain = statistics.median(per_token["plain"])
-    return {name: {"ms_per_token": 1e3 * statistics.median(v), "vs_plain": statistics.median(v) / plain}
-            for name, v in per_token.items()}
+                    new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
+                    per_token[name].append((elapsed / new_tokens, cpu / new_tokens))
+    # CPU time of this (one-thread) process is far less disturbed by other jobs on a shared machine than wall time.
+    wall = {name: statistics.median(t for t, _ in v) for name, v in per_token.items()}
+    cpu = {name: statistics.median(c for _, c in v) for name, v in per_token.items()}
+    return {name: {"ms_per_token": 1e3 * wall[name], "vs_plain": wall[name] / wall["plain"],
+                   "cpu_ms_per_token": 1e3 * cpu[name], "cpu_vs_plain": cpu[name] / cpu["plain"]} for name in per_token}
 
 
 def main():
@@ -184,9 +188,10 @@ def main():
 
     costs = k0_costs(target, drafter, encoded[: max(2, len(encoded) // 2)], args.max_new_tokens, args.repetitions)
     print(f"\nrounds that draft nothing vs plain greedy ({args.repetitions} repetitions, medians)")
-    print(f"{'method':<28}{'ms/token':>10}{'vs plain':>10}")
+    print(f"{'method':<28}{'wall ms/token':>14}{'vs plain':>10}{'CPU ms/token':>14}{'vs plain':>10}")
     for name, row in costs.items():
-        print(f"{name:<28}{row['ms_per_token']:10.2f}{row['vs_plain']:10.3f}")
+        print(f"{name:<28}{row['ms_per_token']:14.2f}{row['vs_plain']:10.3f}"
+              f"{row['cpu_ms_per_token']:14.2f}{row['cpu_vs_plain']:10.3f}")
 
 
 if __name__ == "__main__":
