@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import glob
+import hashlib
+import json
 import os
 import time
 from collections.abc import Callable
@@ -41,9 +43,11 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 
 from .configuration_dspark import DSparkConfig
+
+logger = logging.get_logger(__name__)
 
 
 class DSparkRMSNorm(nn.Module):
@@ -969,6 +973,341 @@ class DSparkForDrafting(DSparkPreTrainedModel):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# Hardware-aware draft length (the DSpark paper's scheduler at batch 1): the target's measured verify cost t(k) for
+# k drafts, stored per target/device/dtype/torch under the Hugging Face cache home, and a schedule that drafts the k
+# maximising expected committed tokens per second, deciding draft n from c_1..c_n only.
+
+PROFILE_FORMAT = "dspark-verify-profile/1"
+PROFILE_CONTEXT_LENGTHS = (128, 512)  # context lengths measured; others are interpolated
+PROFILE_REPEATS = 4  # timed repetitions per (context, k), after one warm-up pass
+PROFILE_MAX_SPREAD = 0.25  # a timing whose interquartile spread exceeds this fraction of its median is noise
+
+
+@functools.cache
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "cpu")
+    except OSError:
+        return "cpu"
+
+
+def _device_description(device: torch.device) -> str:
+    """What the timings belong to: the accelerator's name, or the CPU model and torch's thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        return device.type
+    return f"{_cpu_name()}, {torch.get_num_threads()} thread(s)"
+
+
+def verify_profile_key(target: PreTrainedModel) -> dict[str, str]:
+    """Everything a verify timing depends on; a profile whose key differs is never used."""
+    config = target.config.to_dict()
+    for volatile in ("_name_or_path", "name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash"):
+        config.pop(volatile, None)
+    config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    device = target.device
+    return {
+        "target": str(target.config.name_or_path or type(target).__name__),
+        "revision": str(getattr(target.config, "_commit_hash", None) or ""),
+        "config_sha256": config_hash,
+        "device": device.type,
+        "device_name": _device_description(device),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+    }
+
+
+def verify_profile_path(key: dict[str, str]) -> str:
+    """`<HF_HOME>/dspark/profiles/<target>-<hash of the key>.json` (HF_HOME read at call time)."""
+    from huggingface_hub import constants  # ships with transformers
+
+    home = os.path.expanduser(os.environ.get("HF_HOME") or constants.HF_HOME)
+    slug = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in key["target"].split("/")[-1])[:64]
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(home, "dspark", "profiles", f"{slug}-{digest}.json")
+
+
+@dataclass
+class DSparkVerifyProfile:
+    """t(k): seconds of one verify pass over k drafts (a forward of k+1 tokens on a cached context), per context."""
+
+    key: dict[str, str]
+    context_lengths: list[int]
+    verify_time_s: list[list[float]]  # [context][k] median over repeats
+    spread_s: list[list[float]]  # [context][k] interquartile range over repeats
+    noisy: bool = False
+    measured_in_s: float = 0.0
+
+    @property
+    def max_drafts(self) -> int:
+        return len(self.verify_time_s[0]) - 1
+
+    def verify_time(self, num_drafts: int, context_length: int) -> float:
+        """t(k) at this context length: linear between measured lengths, the nearest one outside them."""
+        lengths, times = self.context_lengths, [row[num_drafts] for row in self.verify_time_s]
+        if context_length <= lengths[0]:
+            return times[0]
+        for i in range(1, len(lengths)):
+            if context_length <= lengths[i]:
+                w = (context_length - lengths[i - 1]) / (lengths[i] - lengths[i - 1])
+                return times[i - 1] + w * (times[i] - times[i - 1])
+        return times[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, **{name: getattr(self, name) for name in self.__dataclass_fields__}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DSparkVerifyProfile":
+        """Raises ValueError on anything that is not a well-formed profile."""
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ValueError("not a DSpark verify profile")
+        profile = cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
+        rows = profile.verify_time_s + profile.spread_s
+        if (
+            not profile.context_lengths
+            or len(profile.verify_time_s) != len(profile.context_lengths)
+            or len(profile.spread_s) != len(profile.context_lengths)
+            or len({len(row) for row in rows}) != 1
+            or not all(isinstance(t, (int, float)) and t >= 0 for row in rows for t in row)
+        ):
+            raise ValueError("malformed timings")
+        return profile
+
+
+def _is_noisy(times: list[float], spreads: list[float]) -> bool:
+    """Too noisy to rank k: a timing spread wider than PROFILE_MAX_SPREAD of its median, or t(k+1) below t(k) by
+    more than their spreads together (verifying more tokens cannot be faster)."""
+    if any(s > PROFILE_MAX_SPREAD * t for t, s in zip(times, spreads)):
+        return True
+    return any(times[k + 1] < times[k] - spreads[k] - spreads[k + 1] for k in range(len(times) - 1))
+
+
+def _synchronize(device: torch.device):
+    if device.type != "cpu" and hasattr(torch, device.type):
+        getattr(torch, device.type).synchronize()
+
+
+def _measured_draft_counts(max_drafts: int) -> list[int]:
+    """k = 0, 1, 2, 4, ... and max_drafts: t(k) is near linear in k, so the rest is interpolated (keeps it short)."""
+    counts, k = {0, max_drafts}, 1
+    while k < max_drafts:
+        counts.add(k)
+        k *= 2
+    return sorted(counts)
+
+
+def _interpolate(points: list[int], values: list[float]) -> list[float]:
+    """Piecewise-linear values at every k = 0..points[-1] from values at the sorted `points`."""
+    out = []
+    for k in range(points[-1] + 1):
+        i = next(i for i, p in enumerate(points) if p >= k)
+        if points[i] == k:
+            out.append(values[i])
+        else:
+            w = (k - points[i - 1]) / (points[i] - points[i - 1])
+            out.append(values[i - 1] + w * (values[i] - values[i - 1]))
+    return out
+
+
+@torch.no_grad()
+def _time_verify_passes(target, tokens: torch.Tensor, length: int, counts: list[int], repeats: int) -> list[list[float]]:
+    """Seconds of each forward of k+1 tokens after `length` cached ones, `repeats` times per k in `counts`, as a
+    verify pass runs (aux hidden states requested, cache cropped back). The k order rotates each repetition so a
+    slow moment of a shared machine lands on every k alike; repetition 0 warms up and is dropped."""
+    device = target.device
+    prefill = target(input_ids=tokens[:, :length], use_cache=True)
+    cache = getattr(prefill, "cache", None) or prefill.past_key_values
+    samples: list[list[float]] = [[] for _ in counts]
+    for repeat in range(repeats + 1):
+        shift = repeat % len(counts)
+        for i in list(range(len(counts)))[shift:] + list(range(len(counts)))[:shift]:
+            k = counts[i]
+            _synchronize(device)
+            start = time.perf_counter()
+            target(input_ids=tokens[:, length : length + k + 1], cache=cache, use_cache=True, output_hidden_states=True)
+            _synchronize(device)
+            if repeat:
+                samples[i].append(time.perf_counter() - start)
+            cache.crop(-(k + 1))
+    return samples
+
+
+def measure_verify_profile(
+    target: PreTrainedModel,
+    max_drafts: int,
+    context_lengths: tuple[int, ...] = PROFILE_CONTEXT_LENGTHS,
+    repeats: int = PROFILE_REPEATS,
+) -> DSparkVerifyProfile:
+    """t(k) for k = 0..max_drafts at each context length, on random tokens: the median of `repeats` timings and
+    their interquartile spread; marked noisy when the timings cannot rank k (see `_is_noisy`)."""
+    started = time.perf_counter()
+    text_config = target.config.get_text_config()
+    limit = getattr(text_config, "max_position_embeddings", None) or max(context_lengths) + max_drafts + 1
+    lengths = sorted({max(1, min(length, limit - max_drafts - 1)) for length in context_lengths})
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, text_config.vocab_size, (1, lengths[-1] + max_drafts + 1), generator=generator)
+    tokens = tokens.to(target.device)
+    counts = _measured_draft_counts(max_drafts)
+    medians, spreads, noisy = [], [], False
+    for length in lengths:
+        ordered = [sorted(s) for s in _time_verify_passes(target, tokens, length, counts, repeats)]
+        times = [s[(len(s) - 1) // 2] for s in ordered]
+        spread = [s[(3 * len(s) - 1) // 4] - s[len(s) // 4] for s in ordered]  # robust to one outlier in four
+        noisy = noisy or _is_noisy(times, spread)
+        times = [max(times[: i + 1]) for i in range(len(times))]  # more tokens never verify faster
+        medians.append(_interpolate(counts, times))
+        spreads.append(_interpolate(counts, spread))
+    return DSparkVerifyProfile(verify_profile_key(target), lengths, medians, spreads, noisy, time.perf_counter() - started)
+
+
+_PROFILES_IN_MEMORY: dict[str, DSparkVerifyProfile] = {}
+
+
+def load_or_measure_verify_profile(target: PreTrainedModel, max_drafts: int, remeasure: bool = False) -> DSparkVerifyProfile:
+    """The stored profile for this target, device, dtype and torch version; measured (and stored) when missing,
+    foreign, corrupt or covering fewer drafts. A bad file costs one warning line, never an error."""
+    key = verify_profile_key(target)
+    path = verify_profile_path(key)
+    cached = _PROFILES_IN_MEMORY.get(path)
+    if cached is not None and not remeasure and cached.key == key and cached.max_drafts >= max_drafts:
+        return cached
+    profile = None
+    if os.path.isfile(path) and not remeasure:
+        try:
+            with open(path) as file:
+                profile = DSparkVerifyProfile.from_dict(json.load(file))
+            if profile.key != key:
+                logger.warning(f"DSpark verify profile {path} belongs to another target/device/dtype/torch; re-measuring.")
+                profile = None
+        except (OSError, ValueError, TypeError, KeyError) as error:
+            logger.warning(f"DSpark verify profile {path} is unreadable ({error}); re-measuring.")
+            profile = None
+    if profile is None or profile.max_drafts < max_drafts:
+        profile = measure_verify_profile(target, max_drafts)
+        logger.warning(
+            f"DSpark measured the target's verify cost for 0..{max_drafts} drafts in {profile.measured_in_s:.1f} s"
+            f"{' (too noisy to rank draft lengths: falling back to the confidence threshold)' if profile.noisy else ''};"
+            f" stored in {path}."
+        )
+        store_verify_profile(profile, path)
+    _PROFILES_IN_MEMORY[path] = profile
+    return profile
+
+
+def store_verify_profile(profile: DSparkVerifyProfile, path: str):
+    """Write atomically; an unwritable cache home only loses the reuse, not the profile."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        staging = f"{path}.{os.getpid()}.tmp"
+        with open(staging, "w") as file:
+            json.dump(profile.to_dict(), file, indent=1)
+        os.replace(staging, path)
+    except OSError as error:
+        logger.warning(f"DSpark could not store the verify profile at {path} ({error}); it will be measured again.")
+
+
+class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
+    """Drafts the k maximising expected committed tokens per second, (1 + Σ_{n≤k} a_n) / (t(k) + draft time).
+
+    Lossless by construction: draft n is admitted from c_1..c_n alone. At draft n the later survivals are projected
+    geometrically from the newest conditional confidence, â_m = a_n · c_n^(m-n) (the drafter's confidences are
+    strongly correlated along a block, so the last one is the best guess for the next), and draft n is admitted iff
+    the best ratio over every k ≥ n beats stopping at n-1. Stopping at 0 is a plain target step, costed t(0) without
+    the draft time (the back-off then skips the drafter), so drafting must beat plain decoding. t(k) comes from the
+    profile at the current context length, rescaled by how fast verify passes actually run now (a shared machine
+    drifts); the draft time is a running mean of the drafter's own time per round. On a noisy profile the schedule
+    falls back to the calibrated threshold rule (admit while a_n ≥ `fallback_threshold`).
+    """
+
+    fallback_threshold = 0.5
+    smoothing = 0.2  # weight of the newest observation in the running draft time and verify-speed scale
+
+    def __init__(self, profile: DSparkVerifyProfile, max_drafts: int | None = None, draft_time_s: float | None = None):
+        self.profile = profile
+        self.max_drafts = profile.max_drafts if max_drafts is None else min(max_drafts, profile.max_drafts)
+        self.draft_time_s = draft_time_s
+        self.verify_scale = 1.0
+        self.context_length = profile.context_lengths[0]
+        self.start()
+
+    def observe_draft_time(self, seconds: float):
+        self.draft_time_s = seconds if self.draft_time_s is None else self._smooth(self.draft_time_s, seconds)
+
+    def observe_verify_time(self, num_drafts: int, context_length: int, seconds: float):
+        """A live verify round of k drafts: track the ratio of real to profiled time."""
+        profiled = self.profile.verify_time(min(num_drafts, self.profile.max_drafts), context_length)
+        if profiled > 0:
+            self.verify_scale = self._smooth(self.verify_scale, seconds / profiled)
+
+    def _smooth(self, old: float, new: float) -> float:
+        return (1 - self.smoothing) * old + self.smoothing * new
+
+    def start(self):
+        draft = self.draft_time_s or 0.0
+        self._costs = [  # k = 0 is a plain step: with the back-off the drafter then stops running too
+            self.verify_scale * self.profile.verify_time(k, self.context_length) + (draft if k else 0.0)
+            for k in range(self.max_drafts + 1)
+        ]
+        self._drafted, self._survival, self._expected = 0, 1.0, 1.0
+
+    def admit(self, confidence: float) -> bool:
+        n = self._drafted + 1
+        if n > self.max_drafts:
+            return False
+        survival = self._survival * confidence
+        if self.profile.noisy:
+            admitted = survival >= self.fallback_threshold
+        else:
+            admitted = self._best_ratio_from(n, survival, confidence) > self._expected / self._costs[n - 1]
+        if admitted:
+            self._drafted, self._survival, self._expected = n, survival, self._expected + survival
+        return admitted
+
+    def _best_ratio_from(self, n: int, survival: float, confidence: float) -> float:
+        best, expected, projected = 0.0, self._expected, survival
+        for k in range(n, self.max_drafts + 1):
+            expected += projected
+            best = max(best, expected / self._costs[k])
+            projected *= confidence
+        return best
+
+
+class DSparkDrafterBackoff:
+    """Skips the drafter after rounds that drafted nothing, for 1, 2, 4, ... up to `max_skip` rounds, each skip
+    followed by one probe round; a probe that drafts resets it. When drafting does not pay, the drafter's own cost
+    then vanishes too (a k = 0 round with a drafter pass costs more than a plain step)."""
+
+    def __init__(self, max_skip: int = 16):
+        self.max_skip = max_skip
+        self.skip_next = 0  # rounds to skip before the next probe
+        self.remaining = 0
+
+    def should_skip(self) -> bool:
+        if self.remaining > 0:
+            self.remaining -= 1
+            return True
+        return False
+
+    def record(self, num_drafts: int):
+        """After a round in which the drafter ran and the schedule chose `num_drafts`."""
+        self.skip_next = 0 if num_drafts else min(max(1, 2 * self.skip_next), self.max_skip)
+        self.remaining = self.skip_next
+
+
+def make_hardware_schedule(drafter: "DSparkForDrafting", target: PreTrainedModel, max_drafts: int):
+    """The schedule `dspark_schedule: "hardware"` asks for, or None (fixed-length drafting) without a confidence
+    head. Measures the verify profile on first use for this target, device, dtype and torch version."""
+    if drafter.confidence_head is None:
+        return None
+    profile = getattr(drafter, "dspark_verify_profile", None)  # injected (tests, benchmarks) or measured
+    if profile is None or profile.key != verify_profile_key(target):
+        profile = load_or_measure_verify_profile(target, max_drafts)
+    return DSparkHardwareAwareSchedule(profile, max_drafts)
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # transformers integration: `target.generate(**inputs, assistant_model=drafter)` with no extra flags.
 
 
@@ -1075,7 +1414,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         wants_all = generation_config.output_hidden_states and generation_config.return_dict_in_generate
         self.model_kwargs_overrides = {"output_hidden_states": True if wants_all else self.aux_layer_ids}
         self.num_drafts = int(getattr(drafter.generation_config, "num_assistant_tokens", None) or drafter.num_draft_tokens)
-        self.schedule = self._make_schedule()
+        self.schedule = self._make_schedule(target)
+        # Hardware-aware drafting: after rounds that draft nothing the drafter itself rests (back-off), and the aux
+        # rows of the rounds it skipped wait in `_pending_aux` until it runs again.
+        self.backoff = DSparkDrafterBackoff() if isinstance(self.schedule, DSparkHardwareAwareSchedule) else None
+        self._pending_aux: list[torch.Tensor] = []
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor if logits_processor else None
         self.stopping_criteria = _stops_inside_a_round(stopping_criteria)
@@ -1088,25 +1431,40 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._verify_started = None
         self._prefilled = False
 
-    def _make_schedule(self) -> DSparkDraftSchedule:
-        """The draft schedule set on the drafter's generation_config (`dspark_confidence_threshold`, `dspark_verify_cost`)."""
+    def _make_schedule(self, target: PreTrainedModel) -> DSparkDraftSchedule:
+        """The draft schedule the drafter's generation_config asks for: `dspark_confidence_threshold` /
+        `dspark_verify_cost` when set; else `dspark_schedule: "hardware"` (verify-cost profiled); else fixed length."""
         drafting = self.drafter.generation_config
         threshold = getattr(drafting, "dspark_confidence_threshold", None)
         verify_cost = getattr(drafting, "dspark_verify_cost", None)
+        mode = getattr(drafting, "dspark_schedule", None)
+        if mode not in (None, "fixed", "hardware"):
+            raise ValueError(f"dspark_schedule={mode!r} is not a DSpark schedule; use \"hardware\" or \"fixed\".")
         if (threshold is not None or verify_cost is not None) and self.drafter.confidence_head is None:
             raise ValueError(
                 "confidence-scheduled drafting needs a confidence head; set enable_confidence_head or unset "
                 "dspark_confidence_threshold / dspark_verify_cost on the drafter's generation_config."
             )
+        if mode == "hardware" and threshold is None and verify_cost is None and self.drafter.confidence_head is not None:
+            return make_hardware_schedule(self.drafter, target, self.num_drafts)
         return draft_schedule(threshold, verify_cost)
 
-    def _commit_context(self, input_ids: torch.LongTensor, model_outputs: ModelOutput | None):
-        """Append every position before the anchor that the drafter has not seen yet (aux states of the last verify)."""
+    def _commit_context(self, input_ids: torch.LongTensor, model_outputs: ModelOutput | None) -> bool:
+        """Append every position before the anchor that the drafter has not seen yet (aux states of the last verify).
+
+        Returns False, keeping the rows for later, when the back-off rests the drafter this round (a plain step)."""
         if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
             raise ValueError("DSpark drafting needs the target's hidden states from the verify pass; none were returned.")
-        num_new = input_ids.shape[1] - 1 - self.cache.get_seq_length()
+        waiting = sum(rows.shape[1] for rows in self._pending_aux)
+        num_new = input_ids.shape[1] - 1 - self.cache.get_seq_length() - waiting
         aux = torch.cat([model_outputs.hidden_states[i][:, :num_new] for i in self.aux_layer_ids], dim=-1)
+        if self.backoff is not None and self.backoff.should_skip():
+            self._pending_aux.append(aux)
+            return False
+        if self._pending_aux:  # extend lazily, in one call, with the rounds the drafter skipped
+            aux, self._pending_aux = torch.cat(self._pending_aux + [aux], dim=1), []
         self.drafter.extend_context(self.cache, aux.to(self.drafter.fc.weight.device))
+        return True
 
     def _cut_at_stop(self, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> torch.LongTensor:
         """Drafts up to the first on which a stopping criterion fires, and a round that ends on it if it is accepted.
@@ -1127,6 +1485,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def _draft(self, input_ids: torch.LongTensor, budget: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Candidates (the sequence plus up to `budget` drafts) and, when sampling, the q they were drawn from."""
         device = self.drafter.fc.weight.device
+        if isinstance(self.schedule, DSparkHardwareAwareSchedule):
+            self.schedule.context_length = input_ids.shape[1]
         draft = self.drafter.draft_block(
             self.cache,
             input_ids[0, -1].to(device),
@@ -1140,6 +1500,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._last_drafted = tokens.shape[1]
         candidates = torch.cat([input_ids, tokens], dim=-1)
         return candidates, draft.target_logits[:, : tokens.shape[1]] if self.do_sample and self._last_drafted else None
+
+    def _observe_round(self, drafter_ran: bool, first_round: bool, seconds: float):
+        """Feed the back-off and the hardware schedule's running draft time (the first round's prompt-sized context
+        extension is no measure of a round)."""
+        if self.backoff is None or not drafter_ran:
+            return
+        self.backoff.record(self._last_drafted)
+        if not first_round:
+            self.schedule.observe_draft_time(seconds)
 
     def get_candidates(
         self,
@@ -1155,11 +1524,13 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if is_first_iteration:
             self._verify_started = time.perf_counter()
             return input_ids, None
-        self._commit_context(input_ids, model_outputs)
+        first_round = self.cache.get_seq_length() == 0
         candidates, candidate_logits = input_ids, None
+        drafter_runs = self._commit_context(input_ids, model_outputs)
         budget = min(self.num_drafts, self.max_length - input_ids.shape[1] - 1)
-        if budget > 0:
+        if drafter_runs and budget > 0:
             candidates, candidate_logits = self._draft(input_ids, budget)
+        self._observe_round(drafter_runs and budget > 0, first_round, time.perf_counter() - start)
         self.stats.draft_time_s += time.perf_counter() - start
         self._verify_started = time.perf_counter()
         return candidates, candidate_logits
@@ -1167,7 +1538,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         self.generation_config.max_length = self.max_length  # undo a stop's round cut (see `_cut_at_stop`)
         if self._verify_started is not None:
-            self.stats.verify_time_s += time.perf_counter() - self._verify_started
+            elapsed = time.perf_counter() - self._verify_started
+            self.stats.verify_time_s += elapsed
+            if isinstance(self.schedule, DSparkHardwareAwareSchedule) and self._prefilled:
+                self.schedule.observe_verify_time(self._last_drafted, input_ids.shape[1], elapsed)
         if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
             self.stats.drafted.append(self._last_drafted)
             self.stats.accepted.append(int(num_matches))
@@ -1273,12 +1647,17 @@ __all__ = [
     "DSparkDraftOutput",
     "DSparkDraftSchedule",
     "DSparkForDrafting",
+    "DSparkDrafterBackoff",
     "DSparkGenerationStats",
+    "DSparkHardwareAwareSchedule",
     "DSparkPreTrainedModel",
     "DSparkThresholdSchedule",
     "DSparkTrainingOutput",
     "DSparkVerifyCostSchedule",
     "draft_schedule",
+    "DSparkVerifyProfile",
     "expected_tensor_shapes",
     "install_dspark_routing",
+    "load_or_measure_verify_profile",
+    "measure_verify_profile",
 ]

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("dspark_hf.calibration", "fit per-position confidence temperatures (Sequential Temperature Scaling)"),
     "eval": ("dspark_hf.evaluation", "offline τ/acceptance on a cache, online acceptance and speed with generate"),
     "bench": ("dspark_hf.benchmark", "tokens/s of DSpark vs plain generate and other speculative baselines"),
+    "profile": ("dspark_hf.profile", "measure the target's verify cost t(k) for the hardware-aware draft schedule"),
     "export": ("dspark_hf.formats.export", "write a drafter in the speculators/vLLM layout"),
     "convert": ("dspark_hf.formats.convert", "import z-lab DFlash, DeepSpec or speculators checkpoints"),
 }

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Verify-cost profiles (the hardware-aware schedule measures one on first use) go to a fresh Hugging Face home per
+# test process, so tests never read or leave one in the user's cache.
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="dspark-hf-test-home-")
 
 import pytest
 import torch

@@ -1,0 +1,343 @@
+"""Hardware-aware draft length: the verify-cost profile, the schedule's choices, the drafter back-off, and that
+generation stays lossless with the schedule on. Profiles are synthetic (injected), so nothing here is timed."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import make_drafter, make_tiny_target
+from test_generation import (
+    ALPHA,
+    PROMPTS,
+    chi_square_p_value,
+    exact_pair_distribution,
+    greedy,
+    sample_pairs,
+    sampling_setup,
+)
+
+from dspark_hf import cli
+from dspark_hf.remote_code import modeling_dspark
+from dspark_hf.remote_code.modeling_dspark import (
+    DSparkDrafterBackoff,
+    DSparkHardwareAwareSchedule,
+    DSparkVerifyProfile,
+    load_or_measure_verify_profile,
+    verify_profile_key,
+    verify_profile_path,
+)
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "smollm2-dspark"
+
+
+def synthetic_profile(times: list[float], key: dict | None = None, noisy: bool = False) -> DSparkVerifyProfile:
+    """t(k) = times[k] at every context length (16 and 256 tokens)."""
+    return DSparkVerifyProfile(
+        key=key or {"target": "synthetic"}, context_lengths=[16, 256], verify_time_s=[list(times), list(times)],
+        spread_s=[[0.0] * len(times)] * 2, noisy=noisy,
+    )
+
+
+def linear_profile(slope: float, max_drafts: int = 7, **kwargs) -> DSparkVerifyProfile:
+    """A verify pass of k drafts costs 1 + slope·k (in units of a plain step)."""
+    return synthetic_profile([1.0 + slope * k for k in range(max_drafts + 1)], **kwargs)
+
+
+def drafted(schedule: DSparkHardwareAwareSchedule, confidences: list[float]) -> int:
+    """How many drafts the schedule admits, left to right, for these calibrated confidences c_1, c_2, ..."""
+    schedule.start()
+    count = 0
+    for c in confidences:
+        if not schedule.admit(c):
+            break
+        count += 1
+    return count
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The schedule's decisions
+
+
+def test_no_drafts_when_every_extra_token_costs_a_full_step():
+    """t(k) = (1 + k)·t(0): even near-certain drafts cannot beat a plain step (expected tokens < 1 + k)."""
+    schedule = DSparkHardwareAwareSchedule(linear_profile(1.0), draft_time_s=0.0)
+    assert drafted(schedule, [0.99] * 7) == 0
+    assert drafted(schedule, [0.3] * 7) == 0
+
+
+def test_full_blocks_when_verify_is_nearly_free():
+    schedule = DSparkHardwareAwareSchedule(linear_profile(0.01), draft_time_s=0.05)
+    assert drafted(schedule, [0.8] * 7) == 7
+
+
+def test_cheaper_verify_means_longer_blocks():
+    lengths = [drafted(DSparkHardwareAwareSchedule(linear_profile(s), draft_time_s=0.05), [0.7] * 7)
+               for s in (0.01, 0.1, 0.25, 0.5, 1.0)]
+    assert lengths == sorted(lengths, reverse=True)
+    assert lengths[0] == 7 and 0 < lengths[2] < 7 and lengths[-1] == 0
+
+
+def test_no_drafts_when_the_drafter_costs_more_than_it_saves():
+    """Flat t(k), but the drafter's own time per round is three plain steps: drafting cannot pay."""
+    assert drafted(DSparkHardwareAwareSchedule(linear_profile(0.0), draft_time_s=3.0), [0.7] * 7) == 0
+    assert drafted(DSparkHardwareAwareSchedule(linear_profile(0.0), draft_time_s=0.1), [0.7] * 7) == 7
+
+
+def test_block_stops_where_confidence_drops():
+    schedule = DSparkHardwareAwareSchedule(linear_profile(0.1), draft_time_s=0.05)
+    assert drafted(schedule, [0.95, 0.95, 0.9, 0.05, 0.95, 0.95, 0.95]) == 3
+
+
+def test_schedule_follows_the_context_length_and_the_live_verify_speed():
+    """Verify cost interpolated at the current context; a drafter time that grows relative to the (rescaled) verify."""
+    profile = DSparkVerifyProfile(
+        key={"target": "synthetic"}, context_lengths=[16, 256],
+        verify_time_s=[[1.0 + 0.01 * k for k in range(8)], [1.0 + 1.0 * k for k in range(8)]], spread_s=[[0.0] * 8] * 2,
+    )
+    assert profile.verify_time(3, 136) == pytest.approx((1.03 + 4.0) / 2)
+    schedule = DSparkHardwareAwareSchedule(profile, draft_time_s=0.05)
+    schedule.context_length = 16
+    assert drafted(schedule, [0.8] * 7) == 7
+    schedule.context_length = 256
+    assert drafted(schedule, [0.8] * 7) == 0
+    schedule.context_length = 16
+    for _ in range(40):  # the drafter's own time per round grows to half a profiled step: still worth it
+        schedule.observe_draft_time(0.5)
+    assert schedule.draft_time_s == pytest.approx(0.5, rel=1e-2)
+    assert drafted(schedule, [0.8] * 7) == 7
+    for _ in range(40):  # verify passes now run 10× faster than profiled: the same drafter time weighs 10× more
+        schedule.observe_verify_time(0, 16, 0.1)
+    assert schedule.verify_scale == pytest.approx(0.1, rel=1e-2)
+    assert drafted(schedule, [0.8] * 7) == 0
+
+
+def test_noisy_profile_falls_back_to_the_threshold_rule():
+    """On a noisy profile the schedule admits while a_n = Π c_i ≥ 0.5, whatever the timings say."""
+    assert drafted(DSparkHardwareAwareSchedule(linear_profile(1.0), draft_time_s=0.0), [0.8] * 7) == 0
+    noisy = DSparkHardwareAwareSchedule(linear_profile(1.0, noisy=True), draft_time_s=0.0)
+    assert drafted(noisy, [0.8] * 7) == 3  # 0.8, 0.64, 0.512, then 0.41 < 0.5
+
+
+def test_profile_noise_is_detected_from_the_timings(monkeypatch):
+    """Timings that cannot rank k (a longer verify measured faster beyond the spreads, or spreads wider than a
+    quarter of the median) mark the profile noisy; clean timings do not."""
+    target = make_tiny_target("llama")
+
+    def fake_timings(samples_per_k):
+        monkeypatch.setattr(modeling_dspark, "_time_verify_passes", lambda *args: [list(s) for s in samples_per_k])
+        return modeling_dspark.measure_verify_profile(target, 4, context_lengths=(16,), repeats=4)
+
+    clean = fake_timings([[1.0, 1.01, 1.0, 1.02], [1.1, 1.1, 1.11, 1.1], [1.2, 1.21, 1.2, 1.2], [1.4, 1.4, 1.41, 1.4]])
+    assert not clean.noisy
+    assert clean.verify_time_s[0] == pytest.approx([1.01, 1.1, 1.2, 1.3, 1.4], abs=0.011)  # k = 3 interpolated
+    assert fake_timings([[1.0] * 4, [1.3] * 4, [1.0] * 4, [1.4] * 4]).noisy  # t(2) < t(1), spreads zero
+    assert fake_timings([[1.0, 1.0, 2.0, 2.0], [1.1] * 4, [1.2] * 4, [1.4] * 4]).noisy  # wide spread
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Back-off: the drafter's own cost vanishes when drafting does not pay
+
+
+def test_backoff_skips_the_drafter_exponentially_and_resets_when_drafting_resumes():
+    backoff = DSparkDrafterBackoff(max_skip=8)
+    pattern = []
+    for _ in range(30):
+        if backoff.should_skip():
+            pattern.append("s")
+            continue
+        pattern.append("p")
+        backoff.record(0)  # every probe still drafts nothing
+    assert "".join(pattern).startswith("ps" + "p" + "ss" + "p" + "ssss" + "p" + "s" * 8 + "p" + "s" * 8 + "p")
+    backoff.record(3)
+    assert not backoff.should_skip()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Generation with the schedule on (fp32): lossless, and the choices show in the statistics
+
+
+def scheduled_drafter(target, profile_times, confident: bool = True, **overrides):
+    drafter = make_drafter(target, block_size=6, **overrides)
+    drafter.generation_config.dspark_schedule = "hardware"
+    if profile_times is not None:
+        drafter.dspark_verify_profile = synthetic_profile(profile_times, key=verify_profile_key(target))
+    if confident and drafter.confidence_head is not None:  # c_n ≈ 1: only the costs decide
+        with torch.no_grad():
+            drafter.confidence_head.proj.bias.fill_(12.0)
+    return drafter
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("slope", [0.0, 1.5])
+def test_greedy_with_hardware_schedule_is_token_identical(architecture, slope):
+    target = make_tiny_target(architecture)
+    drafter = scheduled_drafter(target, [1.0 + slope * k for k in range(6)])
+    for prompt in PROMPTS:
+        expected = greedy(target, prompt, max_new_tokens=24)
+        assert torch.equal(greedy(target, prompt, max_new_tokens=24, assistant_model=drafter), expected)
+        stats = drafter.last_generation_stats
+        if slope > 1.0:  # drafting cannot pay: plain steps only
+            assert sum(stats.drafted) == 0
+        else:
+            assert sum(stats.drafted) > 0
+
+
+def test_skipped_rounds_reach_the_drafter_context_in_one_later_extension(monkeypatch):
+    """Rounds that skip the drafter stash their aux rows; when it runs again its context equals a fresh one."""
+    target = make_tiny_target("llama")
+    drafter = scheduled_drafter(target, [1.0] * 6)
+    skips = iter([False, True, True, False, True, False] + [False] * 50)
+    monkeypatch.setattr(DSparkDrafterBackoff, "should_skip", lambda self: next(skips))
+    original, checked = drafter.draft_block, []
+
+    def draft_block(cache, anchor_id, input_ids=None, **kwargs):
+        context = input_ids[:, :-1]
+        hidden = target(context, output_hidden_states=True).hidden_states
+        fresh = drafter.extend_context(
+            modeling_dspark.DSparkContextCache(),
+            torch.cat([hidden[i] for i in drafter.config.aux_hidden_state_layer_ids], dim=-1),
+        )
+        assert cache.get_seq_length() == context.shape[1]
+        torch.testing.assert_close(cache[0][0], fresh[0][0], rtol=1e-4, atol=1e-5)
+        checked.append(context.shape[1])
+        return original(cache, anchor_id, input_ids=input_ids, **kwargs)
+
+    drafter.draft_block = draft_block
+    expected = greedy(target, PROMPTS[1], max_new_tokens=20, eos_token_id=None)
+    assert torch.equal(greedy(target, PROMPTS[1], max_new_tokens=20, eos_token_id=None, assistant_model=drafter), expected)
+    assert len(checked) >= 3 and drafter.last_generation_stats.drafted[1:3] == [0, 0]
+
+
+def test_sampling_with_hardware_schedule_matches_plain_sampling():
+    target, drafter = sampling_setup("vanilla")
+    drafter.generation_config.dspark_schedule = "hardware"
+    drafter.dspark_verify_profile = synthetic_profile([1.0, 1.2, 1.4], key=verify_profile_key(target))
+    counts = sample_pairs(target, drafter, 1.0, seed=2)
+    assert chi_square_p_value(counts, exact_pair_distribution(target, 1.0)) > ALPHA
+
+
+def test_drafter_without_confidence_head_keeps_fixed_length():
+    target = make_tiny_target("llama")
+    drafter = scheduled_drafter(target, None, enable_confidence_head=False)
+    out = greedy(target, PROMPTS[0], max_new_tokens=40, eos_token_id=None, assistant_model=drafter)
+    assert torch.equal(out, greedy(target, PROMPTS[0], max_new_tokens=40, eos_token_id=None))
+    assert drafter.last_generation_stats.drafted[:4] == [drafter.num_draft_tokens] * 4
+
+
+def test_explicit_threshold_knob_takes_precedence_over_the_hardware_schedule():
+    target = make_tiny_target("llama")
+    drafter = scheduled_drafter(target, [1.0 + 2.0 * k for k in range(6)])  # hardware would draft nothing
+    drafter.generation_config.dspark_confidence_threshold = 0.01
+    greedy(target, PROMPTS[0], max_new_tokens=12, eos_token_id=None, assistant_model=drafter)
+    assert sum(drafter.last_generation_stats.drafted) > 0
+
+
+def test_unknown_schedule_name_fails_clearly():
+    target = make_tiny_target("llama")
+    drafter = scheduled_drafter(target, None)
+    drafter.generation_config.dspark_schedule = "fastest"
+    with pytest.raises(ValueError, match="dspark_schedule='fastest' is not a DSpark schedule"):
+        greedy(target, PROMPTS[0], max_new_tokens=4, assistant_model=drafter)
+
+
+def test_shipped_generation_config_turns_the_hardware_schedule_on():
+    settings = json.loads((EXAMPLE / "generation_config.json").read_text())
+    assert settings["dspark_schedule"] == "hardware"
+    assert "dspark_confidence_threshold" not in settings and "dspark_verify_cost" not in settings
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stored profiles: per target/device/dtype/torch, bad files ignored with one warning and re-measured
+
+
+@pytest.fixture
+def profile_home(tmp_path, monkeypatch):
+    """HF_HOME in a temporary folder, no profile in memory, and measuring replaced by a counted synthetic one."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setattr(modeling_dspark, "_PROFILES_IN_MEMORY", {})
+    measured = []
+
+    def fake_measure(target, max_drafts, *args, **kwargs):
+        measured.append(max_drafts)
+        return linear_profile(0.1, max_drafts, key=verify_profile_key(target))
+
+    monkeypatch.setattr(modeling_dspark, "measure_verify_profile", fake_measure)
+    return measured
+
+
+@pytest.fixture
+def warnings_seen(caplog):
+    transformers.logging.enable_propagation()
+    caplog.set_level(logging.WARNING)
+    yield caplog
+    transformers.logging.disable_propagation()
+
+
+def test_profile_is_measured_once_stored_under_hf_home_and_reused(profile_home, tmp_path, warnings_seen):
+    target = make_tiny_target("llama")
+    first = load_or_measure_verify_profile(target, 5)
+    path = Path(verify_profile_path(verify_profile_key(target)))
+    assert path.is_file() and path.is_relative_to(tmp_path / "dspark" / "profiles")
+    assert "measured the target's verify cost" in warnings_seen.text
+    modeling_dspark._PROFILES_IN_MEMORY.clear()
+    assert load_or_measure_verify_profile(target, 5) == first and profile_home == [5]
+    load_or_measure_verify_profile(target, 7)  # a longer block than profiled: measured again
+    assert profile_home == [5, 7]
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "something else"}),
+                                     json.dumps({"format": modeling_dspark.PROFILE_FORMAT, "key": {}})])
+def test_corrupt_profile_is_ignored_with_one_warning_and_remeasured(profile_home, warnings_seen, content):
+    target = make_tiny_target("llama")
+    path = Path(verify_profile_path(verify_profile_key(target)))
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    profile = load_or_measure_verify_profile(target, 5)
+    assert profile_home == [5] and profile.key == verify_profile_key(target)
+    unreadable = [r for r in warnings_seen.records if "unreadable" in r.getMessage()]
+    assert len(unreadable) == 1 and str(path) in unreadable[0].getMessage()
+    assert DSparkVerifyProfile.from_dict(json.loads(path.read_text())) == profile  # replaced by a good one
+
+
+def test_foreign_profile_is_ignored_with_one_warning_and_remeasured(profile_home, warnings_seen):
+    target = make_tiny_target("llama")
+    key = verify_profile_key(target)
+    path = Path(verify_profile_path(key))
+    path.parent.mkdir(parents=True)
+    foreign = linear_profile(0.0, 5, key={**key, "device_name": "another machine"})
+    path.write_text(json.dumps(foreign.to_dict()))
+    assert load_or_measure_verify_profile(target, 5).key == key and profile_home == [5]
+    assert sum("belongs to another" in r.getMessage() for r in warnings_seen.records) == 1
+
+
+def test_profile_identity_covers_dtype_and_target():
+    target = make_tiny_target("llama")
+    key = verify_profile_key(target)
+    assert verify_profile_key(make_tiny_target("llama").to(torch.bfloat16))["dtype"] == "bfloat16" != key["dtype"]
+    assert verify_profile_key(make_tiny_target("qwen3"))["config_sha256"] != key["config_sha256"]
+    assert {"target", "revision", "device", "device_name", "torch"} <= set(key)
+    drafter = scheduled_drafter(target, None)  # an injected profile of another dtype is not used
+    drafter.dspark_verify_profile = linear_profile(0.0, 5, key={**key, "dtype": "bfloat16"})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modeling_dspark, "load_or_measure_verify_profile", lambda t, n: linear_profile(9.0, n, key=key))
+        schedule = modeling_dspark.make_hardware_schedule(drafter, target, 5)
+    assert schedule.profile.key == key and schedule.profile.verify_time(1, 16) == 10.0
+
+
+def test_profile_command_measures_stores_and_prints_the_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    target_dir = tmp_path / "tiny"
+    make_tiny_target("llama").save_pretrained(target_dir)
+    code = cli.main(["profile", "--target", str(target_dir), "--dtype", "float32", "--max-drafts", "3",
+                     "--contexts", "8", "16", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "verify cost t(k)" in out and "stored in" in out
+    stored = list((tmp_path / "hf" / "dspark" / "profiles").glob("*.json"))
+    assert len(stored) == 1
+    profile = DSparkVerifyProfile.from_dict(json.loads(stored[0].read_text()))
+    assert profile.context_lengths == [8, 16] and profile.max_drafts == 3
