@@ -76,6 +76,14 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))
 
 
+def log_loss(predicted: torch.Tensor, observed: torch.Tensor, eps: float = 1e-6) -> float:
+    """Mean binary negative log-likelihood of `observed` outcomes (events or frequencies) under `predicted`: a proper
+    score, so it is minimal only at the true probabilities (ECE is not: a constant at the base rate scores 0)."""
+    p = predicted.double().clamp(eps, 1 - eps)
+    o = observed.double()
+    return float(-(o * p.log() + (1 - o) * (1 - p).log()).mean())
+
+
 def brier_score(predicted: torch.Tensor, observed: torch.Tensor) -> float:
     """Mean squared error between predicted probabilities and observed outcomes."""
     return float(((predicted.double() - observed.double()) ** 2).mean())
@@ -104,6 +112,7 @@ __all__ = [
     "brier_score",
     "confidence_calibration",
     "expected_calibration_error",
+    "log_loss",
     "per_position_acceptance",
     "roc_auc",
     "survival",
