@@ -6,7 +6,9 @@ it. Each prompt is answered twice, with plain greedy `generate` and with `genera
 both run in fp32, the dtype in which speculative and plain greedy decoding agree token for token (in bf16 an
 8-token verify pass and eight 1-token steps round differently, see ASSETS.md). The demo prints both texts, whether
 they are identical, τ (mean accepted length per verify round, bonus token included), the per-position acceptance
-and the speed-up measured in this run, and exits non-zero if any text differs.
+the drafts the shipped hardware-aware schedule chose per round, and the speed-up measured in this run, and exits
+non-zero if any text differs. The schedule measures the target's verify cost once per machine and dtype (a few
+seconds, stored under the Hugging Face cache home; `dspark-hf profile` re-measures it).
 
     python examples/demo.py [--drafter DIR] [--max-new-tokens 64] [--dtype float32]
 """
@@ -48,13 +50,16 @@ def run_demo(target, tokenizer, drafter, prompts: list[list[dict]], max_new_toke
         log(f"  plain greedy  ({plain.numel() / t_plain:5.1f} tok/s): {tokenizer.decode(plain, skip_special_tokens=True)!r}")
         log(f"  DSpark        ({spec.numel() / t_spec:5.1f} tok/s): {tokenizer.decode(spec, skip_special_tokens=True)!r}")
         log(f"  identical: {'yes' if identical else 'NO'}   τ = {s.mean_accepted_length:.2f} tokens/round "
-            f"over {s.rounds} rounds")
+            f"over {s.rounds} rounds, {sum(s.drafted) / max(s.rounds, 1):.2f} drafts/round")
     merged = merge_generation_stats(stats)
     result = {
         "identical": bool(all_identical),
         "tau": merged.mean_accepted_length,
         "acceptance_conditional": merged.acceptance_conditional(),
         "acceptance_cumulative": merged.acceptance_cumulative(),
+        "rounds": merged.rounds,
+        "drafts_per_round": sum(merged.drafted) / max(merged.rounds, 1),
+        "drafts_per_round_histogram": [merged.drafted.count(k) for k in range(merged.num_draft_tokens + 1)],
         "plain_tokens_per_s": plain_tokens / max(plain_s, 1e-9),
         "dspark_tokens_per_s": spec_tokens / max(spec_s, 1e-9),
     }
@@ -78,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModel
 
     from dspark_hf.assets import load_smollm2
-    from dspark_hf.evaluation import held_out_prompts, machine_description
+    from dspark_hf.evaluation import held_out_prompts
+    from dspark_hf.reporting import machine_description
 
     start = time.perf_counter()
     target, tokenizer = load_smollm2(dtype=args.dtype)
@@ -87,12 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dspark-hf demo: SmolLM2-135M-Instruct + {drafter_dir.name} ({drafter.config.num_hidden_layers} draft layer(s), "
           f"B = {drafter.config.block_size}), {args.dtype}, {len(prompts)} held-out chitchat prompts (test split)")
     print(f"machine: {machine_description()}")
+    schedule = getattr(drafter.generation_config, "dspark_schedule", None) or "fixed"
+    print(f"draft schedule: {schedule} (drafts per round chosen from the measured verify cost and the calibrated "
+          "confidences)" if schedule == "hardware" else f"draft schedule: {schedule}")
     result = run_demo(target, tokenizer, drafter, prompts, args.max_new_tokens)
     print()
     print(f"texts identical to plain greedy: {'yes' if result['identical'] else 'NO'} ({args.dtype})")
     print(f"τ (mean accepted length, bonus included): {result['tau']:.2f} of {drafter.config.block_size}")
     print("acceptance per position, conditional: " + " ".join(f"{a:.2f}" for a in result["acceptance_conditional"]))
     print("acceptance per position, cumulative : " + " ".join(f"{a:.2f}" for a in result["acceptance_cumulative"]))
+    histogram = ", ".join(f"{k}: {n}" for k, n in enumerate(result["drafts_per_round_histogram"]) if n)
+    print(f"drafts per round chosen by the schedule: {result['drafts_per_round']:.2f} on average (rounds by drafts: {histogram})")
     print(f"speed: plain {result['plain_tokens_per_s']:.1f} tok/s, DSpark {result['dspark_tokens_per_s']:.1f} tok/s "
           f"-> {result['speedup']:.2f}× (this run, {args.dtype})")
     print(f"demo wall time {time.perf_counter() - start:.0f} s")

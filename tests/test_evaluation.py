@@ -188,6 +188,9 @@ def test_demo_code_path_on_a_tiny_model(tiny):
     assert result["identical"] is True
     assert len(result["acceptance_conditional"]) == drafter.num_draft_tokens
     assert sum("identical: yes" in line for line in lines) == len(PROMPTS)
+    assert sum(result["drafts_per_round_histogram"]) == result["rounds"] > 0
+    assert 0 <= result["drafts_per_round"] <= drafter.num_draft_tokens
+    assert sum("drafts/round" in line for line in lines) == len(PROMPTS)
 
 
 @pytest.mark.skipif(not (SHIPPED / "config.json").is_file(), reason="no shipped drafter in examples/smollm2-dspark")
