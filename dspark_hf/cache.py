@@ -113,7 +113,9 @@ def capture_hidden_states(
     _, _, num_layers = _target_geometry(model)
     lengths = [len(s["input_ids"]) for s in samples]
     batch, longest = len(samples), max(lengths)
-    device = next(model.parameters()).device
+    from .target_weights import input_device
+
+    device = input_device(model)  # not a parameter's: under a device map that may be on disk (meta)
     input_ids = torch.zeros(batch, longest, dtype=torch.int64)  # [b, T_max]
     attention_mask = torch.zeros(batch, longest, dtype=torch.int64)  # [b, T_max]
     for row, sample in enumerate(samples):
@@ -446,16 +448,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=int, default=256, help="samples per shard (default: 256)")
     parser.add_argument("--batch-size", type=int, default=8, help="samples per target forward (default: 8)")
     parser.add_argument("--device", default="cpu", help="device of the target (default: cpu)")
+    from .data import add_placement_arguments
+
+    add_placement_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from .data import check_dataset, load_conversations, load_target, select_conversations
+    from .data import check_dataset, load_conversations, load_target, placement_from_args, select_conversations
 
     conversations = load_conversations(args.dataset)
     check_dataset(conversations, str(args.dataset))
     conversations = select_conversations(conversations, args.dataset, args.split, args.limit)
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
-    model, tokenizer = load_target(args.target, dtype=args.target_dtype, device=args.device)
+    model, tokenizer = load_target(args.target, dtype=args.target_dtype, device=args.device, **placement_from_args(args))
     manifest = build_cache(
         model,
         tokenizer,

@@ -60,9 +60,9 @@ def export(
     checkpoint = read_speculators(source)
     if target is not None:
         if isinstance(target, (str, Path)):  # a path, a Hub id, or `smollm2` (the offline target)
-            from ..data import load_target_model
+            from ..data import load_target_heads
 
-            target = load_target_model(str(target), dtype="float32")
+            target = load_target_heads(str(target))  # the two tensors from the safetensors shards, not the model
         bind_from_target(checkpoint, target)
     if checkpoint.config.bind_target_embeddings:
         raise ValueError(

@@ -248,10 +248,11 @@ def _config_from_checkpoint(directory: Path, overrides: dict[str, Any]) -> DSpar
 
 
 def load_target_model(name_or_path: str):
-    """The target in fp32 (only its embeddings and LM head are read); `smollm2` = the offline SmolLM2 target."""
-    from ..data import load_target_model
+    """The target's embeddings and LM head in fp32, read from its safetensors shards (not the whole model);
+    `smollm2` = the offline SmolLM2 target."""
+    from ..data import load_target_heads
 
-    return load_target_model(name_or_path, dtype="float32")
+    return load_target_heads(name_or_path)
 
 
 def build_drafter(args: TrainingArguments, aux_layer_ids: list[int], log=print) -> DSparkForDrafting:
