@@ -37,6 +37,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from .target_weights import input_device
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -113,8 +115,6 @@ def capture_hidden_states(
     _, _, num_layers = _target_geometry(model)
     lengths = [len(s["input_ids"]) for s in samples]
     batch, longest = len(samples), max(lengths)
-    from .target_weights import input_device
-
     device = input_device(model)  # not a parameter's: under a device map that may be on disk (meta)
     input_ids = torch.zeros(batch, longest, dtype=torch.int64)  # [b, T_max]
     attention_mask = torch.zeros(batch, longest, dtype=torch.int64)  # [b, T_max]

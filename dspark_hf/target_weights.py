@@ -16,6 +16,7 @@ import torch
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
+PLANNED_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # the maps Accelerate computes from a budget
 
 
 # ------------------------------------------------------------------------------------------------ device maps
@@ -48,25 +49,29 @@ def _meta_model(location: str, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def plan_device_map(location: str, dtype: torch.dtype, device_map: str, max_memory: dict | None,
-                    offload_folder: str | None = None) -> dict | str:
-    """The device map transformers would build for `device_map` ("auto", "balanced", "sequential" or a dict) under
-    `max_memory`; refuses one that spills to disk unless `offload_folder` allows it."""
-    if not isinstance(device_map, str) or max_memory is None:
-        return device_map  # an explicit map, or Accelerate's own budget (all free memory of every device)
-    from accelerate.utils import compute_module_sizes, convert_bytes, convert_file_size_to_int
+def plan_device_map(location: str, dtype: torch.dtype, device_map: str | dict, max_memory: dict | None,
+                    offload_folder: str | None = None) -> dict:
+    """The device map transformers would build for `device_map` ("auto", "balanced", "sequential"; a dict is kept)
+    under `max_memory` (default: the free memory of every device); refuses one that spills to disk unless
+    `offload_folder` allows it."""
+    if device_map not in PLANNED_MAPS:
+        return device_map  # a dict or one device ("cuda:1"): transformers places it as given
+    from accelerate.utils import compute_module_sizes, convert_bytes, get_max_memory
     from transformers.integrations.accelerate import _get_device_map
 
+    missing = [d for d in (max_memory or {}) if isinstance(d, int) and d >= torch.cuda.device_count()]
+    if missing:
+        raise ValueError(f"--max-memory names GPU {missing[0]} but this machine has {torch.cuda.device_count()} GPU(s); name only devices it has (e.g. cpu=64GiB)")
     model = _meta_model(location, dtype)
-    plan = _get_device_map(model, device_map, dict(max_memory), None)  # (it rewrites the budget it is given)
+    plan = _get_device_map(model, device_map, dict(max_memory) if max_memory else None, None)  # (it rewrites a budget)
     if "disk" in plan.values() and offload_folder is None:
         needed = compute_module_sizes(model)[""]
-        given = sum(convert_file_size_to_int(size) for size in max_memory.values())
-        budget = ",".join(f"{device}={size}" for device, size in max_memory.items())
+        given = sum(get_max_memory(dict(max_memory) if max_memory else None).values())
+        budget = ("--max-memory " + ",".join(f"{d}={size}" for d, size in max_memory.items())) if max_memory else "the free memory of the devices"
         raise ValueError(
-            f"target {location} needs about {convert_bytes(needed)} in {str(dtype).removeprefix('torch.')} but --max-memory "
-            f"{budget} allows {convert_bytes(given)} (and each device must hold whole layers); raise --max-memory, add a device "
-            "(e.g. cpu=64GiB), or pass --offload-folder DIR to offload the rest to disk (slow)"
+            f"target {location} needs about {convert_bytes(needed)} in {str(dtype).removeprefix('torch.')} but "
+            f"{budget} allows {convert_bytes(given)} (and each device must hold whole layers); raise --max-memory, "
+            "add a device (e.g. cpu=64GiB), or pass --offload-folder DIR to offload the rest to disk (slow)"
         )
     return plan
 

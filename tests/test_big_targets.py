@@ -108,6 +108,9 @@ def test_a_target_that_does_not_fit_max_memory_is_one_clear_line(sharded, tmp_pa
     assert main(["cache", "--dataset", str(data), "--output", str(tmp_path / "c2"), "--target", str(sharded),
                  "--max-memory", "cpu=1GB"]) == 1
     assert "add --device-map auto" in capsys.readouterr().err
+    gpus = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"names GPU {gpus} but this machine has {gpus} GPU"):
+        load_target_model(str(sharded), device_map="auto", max_memory={gpus: "1GB", "cpu": "1GB"})
 
 
 def test_heads_are_read_from_their_shards_alone(sharded, tmp_path):
