@@ -24,20 +24,22 @@ def parse_max_memory(text: str | None) -> dict | None:
     """`0=20GiB,1=20GiB,cpu=64GiB` -> {0: "20GiB", 1: "20GiB", "cpu": "64GiB"} (Accelerate's `max_memory`)."""
     if not text:
         return None
-    from accelerate.utils import convert_file_size_to_int
-
     budget = {}
     for item in text.split(","):
-        device, _, size = item.strip().partition("=")
-        device = device.strip()
-        try:
-            convert_file_size_to_int(size.strip())
-        except (ValueError, TypeError):
-            device = ""
-        if not device or not size.strip():
+        device, _, size = (part.strip() for part in item.partition("="))
+        if not device or not _is_size(size):
             raise ValueError(f"--max-memory item {item.strip()!r} is not DEVICE=SIZE; write e.g. --max-memory 0=20GiB,1=20GiB,cpu=64GiB")
-        budget[int(device) if device.isdigit() else device] = size.strip()
+        budget[int(device) if device.isdigit() else device] = size
     return budget
+
+
+def _is_size(text: str) -> bool:
+    from accelerate.utils import convert_file_size_to_int
+
+    try:
+        return convert_file_size_to_int(text) > 0
+    except (ValueError, TypeError):
+        return False
 
 
 def _meta_model(location: str, dtype: torch.dtype):
