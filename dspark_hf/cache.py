@@ -13,8 +13,8 @@ Layout of `<dir>` (other modules read it; keep it stable):
   shard-00000.safetensors  packed samples: input_ids int64 [ΣT], loss_mask uint8 [ΣT],
                            aux_hidden_states [ΣT, m·d], final_hidden_state [ΣT, d], offsets int64 [n+1]
 
-`target_revision` is the Hub commit hash when transformers knows it, else ``sha256:<hex>`` of the target's first and
-last weight tensors rounded to bfloat16 (cheap, changes whenever the weights do, and stays the same whatever path or
+`target_revision` is the Hub commit hash when transformers knows it, else ``sha256:<hex>`` of the target's input
+embedding and LM head rounded to bfloat16 (cheap, changes whenever the weights do, and stays the same whatever path or
 dtype the same weights are loaded from). `train` refuses a cache whose target name and revision both differ from
 its `--target`.
 
@@ -39,7 +39,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .data import check_dataset, load_conversations, load_target, select_conversations, tokenize_conversations
+from .data import (check_dataset, load_conversations, load_target, load_target_heads, placement_from_args,
+                   select_conversations, tokenize_conversations)
+from .target_weights import input_device
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -76,16 +78,19 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
 
 
 def target_revision(model) -> str:
-    """Hub commit hash if known, else sha256 of the first and last weight tensors (see module docstring)."""
+    """Hub commit hash if known, else sha256 of the input embedding and LM head (see module docstring): the two tables
+    every target has, which `data.load_target_heads` reads without loading the model."""
     commit = getattr(model.config, "_commit_hash", None)
     if commit:
         return str(commit)
     digest = hashlib.sha256()
-    state = model.state_dict()
-    for name in dict.fromkeys((next(iter(state)), next(reversed(state)))):
-        digest.update(name.encode())
+    tables = (model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    if any(table.is_meta for table in tables):  # offloaded to disk by --device-map: read them from the checkpoint
+        heads = load_target_heads(model.name_or_path)
+        tables = (heads.get_input_embeddings().weight, heads.get_output_embeddings().weight)
+    for table in tables:
         # bf16 rounding: the same weights loaded in float32 or bfloat16 give the same revision
-        digest.update(state[name].detach().to("cpu", torch.bfloat16).view(torch.int16).contiguous().numpy().tobytes())
+        digest.update(table.detach().to("cpu", torch.bfloat16).view(torch.int16).contiguous().numpy().tobytes())
     return "sha256:" + digest.hexdigest()
 
 
@@ -119,7 +124,7 @@ def capture_hidden_states(
     _, _, num_layers = _target_geometry(model)
     lengths = [len(s["input_ids"]) for s in samples]
     batch, longest = len(samples), max(lengths)
-    device = next(model.parameters()).device
+    device = input_device(model)  # not a parameter's: under a device map that may be on disk (meta)
     input_ids = torch.zeros(batch, longest, dtype=torch.int64)  # [b, T_max]
     attention_mask = torch.zeros(batch, longest, dtype=torch.int64)  # [b, T_max]
     for row, sample in enumerate(samples):
@@ -452,8 +457,11 @@ class HiddenStateCache(torch.utils.data.Dataset):
     def check_target(self, model) -> None:
         """Refuse a cache captured from another model: both its name and its revision differ from `model`'s."""
         m = self.manifest
-        name, revision = getattr(model, "name_or_path", None) or model.config.name_or_path, target_revision(model)
-        if m["target"] == name or m["target_revision"] == revision:
+        name = getattr(model, "name_or_path", None) or model.config.name_or_path
+        if m["target"] == name:
+            return
+        revision = target_revision(model)
+        if m["target_revision"] == revision:
             return
         raise ValueError(
             f"cache {self.path} was captured from another model ({m['target']}, revision {m['target_revision'][:19]}) "
@@ -541,6 +549,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=int, default=256, help="samples per shard (default: 256)")
     parser.add_argument("--batch-size", type=int, default=8, help="samples per target forward (default: 8)")
     parser.add_argument("--device", default="cpu", help="device of the target (default: cpu)")
+    from .data import add_placement_arguments
+
+    add_placement_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -548,7 +559,7 @@ def run(args: argparse.Namespace) -> int:
     check_dataset(conversations, str(args.dataset))
     conversations = select_conversations(conversations, args.dataset, args.split, args.limit)
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
-    model, tokenizer = load_target(args.target, dtype=args.target_dtype, device=args.device)
+    model, tokenizer = load_target(args.target, dtype=args.target_dtype, device=args.device, **placement_from_args(args))
     manifest = build_cache(
         model,
         tokenizer,

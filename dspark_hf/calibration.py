@@ -25,7 +25,7 @@ import torch
 
 from . import DSparkForDrafting
 from .cache import HiddenStateCache
-from .data import load_target_model
+from .data import load_target_heads
 from .metrics import brier_score, expected_calibration_error, log_loss, roc_auc
 from .rollouts import Rollouts, collect_rollouts
 
@@ -98,7 +98,7 @@ def calibrate(model_dir: str, cache_dir: str, output_dir: str | None = None, eva
     """
     model = DSparkForDrafting.from_pretrained(model_dir, dtype=torch.float32)
     if target is not None:
-        model.bind_target(load_target_model(target, dtype="float32"))
+        model.bind_target(load_target_heads(target))
     caches = {"fit": HiddenStateCache(cache_dir)}
     if eval_cache_dir:
         caches["report"] = HiddenStateCache(eval_cache_dir)

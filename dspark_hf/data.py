@@ -307,32 +307,87 @@ def _target_location(name_or_path: str) -> str:
     return name_or_path
 
 
-def _load_model(name_or_path: str, location: str, dtype: str, device: str):
+def _load_model(location: str, name: str | None, dtype: str, device: str, placement: dict):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, dtype)).to(device).eval()
-    if name_or_path.endswith(".gguf"):  # record the file the user named, not the cache's dense copy
-        model.name_or_path = str(Path(name_or_path).expanduser().resolve())
+    if placement.get("device_map") is None:
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, dtype)).to(device)
+    else:  # Accelerate big-model loading: layers spread over the devices (and disk) of the plan
+        from .target_weights import plan_device_map
+
+        device_map = plan_device_map(location, getattr(torch, dtype), **placement)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, dtype), device_map=device_map,
+                                                     max_memory=placement.get("max_memory"),
+                                                     offload_folder=placement.get("offload_folder"))
+    model.eval()
+    if name:  # record the file or name the user gave, not the cache's dense copy
+        model.name_or_path = name
     return model
 
 
-def load_target_model(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
+def _location_and_name(name_or_path: str) -> tuple[str, str | None]:
+    """Where the weights are, and the name a loaded model would carry when it is not that location."""
+    if name_or_path.lower() in SMOLLM2_ALIASES:
+        from .assets import SMOLLM2_NAME, smollm2_path
+
+        return str(smollm2_path()), SMOLLM2_NAME
+    name = str(Path(name_or_path).expanduser().resolve()) if name_or_path.endswith(".gguf") else None
+    return _target_location(name_or_path), name
+
+
+def load_target_model(name_or_path: str, dtype: str = "float32", device: str = "cpu", device_map: str | dict | None = None,
+                      max_memory: dict | None = None, offload_folder: str | None = None):
     """The target model alone (eval mode): `smollm2` is the offline SmolLM2-135M-Instruct of ASSETS.md; a `.gguf`
-    file is dequantized once into a cached dense copy (`assets.dense_copy_of_gguf`)."""
-    if name_or_path.lower() in SMOLLM2_ALIASES:
-        from .assets import load_smollm2
-
-        return load_smollm2(dtype=dtype, device=device)[0]
-    return _load_model(name_or_path, _target_location(name_or_path), dtype, device)
+    file is dequantized once into a cached dense copy (`assets.dense_copy_of_gguf`). With `device_map` (e.g.
+    "auto") it is spread over the devices by Accelerate within `max_memory` (`target_weights.plan_device_map`)."""
+    placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
+    return _load_model(*_location_and_name(name_or_path), dtype, device, placement)
 
 
-def load_target(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer) for a target, resolved as `load_target_model` does."""
-    if name_or_path.lower() in SMOLLM2_ALIASES:
-        from .assets import load_smollm2
-
-        return load_smollm2(dtype=dtype, device=device)
+def load_target(name_or_path: str, dtype: str = "float32", device: str = "cpu", device_map: str | dict | None = None,
+                max_memory: dict | None = None, offload_folder: str | None = None):
+    """(model, tokenizer) for a target, resolved and placed as `load_target_model` does."""
     from transformers import AutoTokenizer
 
-    location = _target_location(name_or_path)
-    return _load_model(name_or_path, location, dtype, device), AutoTokenizer.from_pretrained(location)
+    location, name = _location_and_name(name_or_path)
+    placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
+    return _load_model(location, name, dtype, device, placement), AutoTokenizer.from_pretrained(location)
+
+
+def load_target_tokenizer(name_or_path: str):
+    """The target's tokenizer alone (e.g. to bound prompts sent to a server that holds the model)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_location_and_name(name_or_path)[0])
+
+
+def load_target_heads(name_or_path: str):
+    """The target's input embedding and LM head (fp32) and its config, read from its safetensors shards without
+    loading the model (`target_weights.read_target_heads`); a target without safetensors is loaded whole."""
+    from .target_weights import read_target_heads
+
+    location, name = _location_and_name(name_or_path)
+    return read_target_heads(location, name) or load_target_model(name_or_path, dtype="float32")
+
+
+def add_placement_arguments(parser) -> None:
+    """`--device-map` / `--max-memory` / `--offload-folder`: a target bigger than one device (Accelerate)."""
+    parser.add_argument("--device-map", default=None,
+                        help="spread the target over devices with Accelerate: auto, balanced or sequential "
+                             "(default: all of it on --device)")
+    parser.add_argument("--max-memory", default=None, metavar="DEVICE=SIZE,...",
+                        help="per-device budget for --device-map, e.g. 0=70GiB,1=70GiB,cpu=200GiB (default: all free memory)")
+    parser.add_argument("--offload-folder", default=None,
+                        help="let --device-map put what does not fit --max-memory on disk, here (slow; default: refuse)")
+
+
+def placement_from_args(args) -> dict:
+    """The keyword arguments of `load_target` for the placement flags (none when --device-map is not given)."""
+    from .target_weights import parse_max_memory
+
+    max_memory = parse_max_memory(args.max_memory)
+    if args.device_map is None:
+        if max_memory is not None or args.offload_folder is not None:
+            raise ValueError("--max-memory and --offload-folder apply to --device-map; add --device-map auto")
+        return {}
+    return {"device_map": args.device_map, "max_memory": max_memory, "offload_folder": args.offload_folder}

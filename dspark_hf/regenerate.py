@@ -5,6 +5,8 @@ human's or another model's (this matters more for τ than anything else). We kee
 turn by turn let the target answer with its chat template and the given sampling settings, with plain transformers
 `generate`: batched with left padding for short chats, one conversation at a time with its KV cache kept across turns
 for long multi-turn data. The history sent to the target is bounded by a token budget (oldest turns dropped first).
+At scale the turns go to a serving engine instead (`--server URL`: vLLM, SGLang, TGI; `serving.ChatServer`), which
+applies the chat template and batches the concurrent conversations itself.
 
 Resumable: each finished conversation is appended to the output JSONL as one whole line (one `write` + fsync); on
 restart the ids already written are skipped, and a partial last line left by a kill is cut off, never counted.
@@ -17,10 +19,14 @@ import hashlib
 import json
 import os
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from .target_weights import input_device
 
 
 def _read_done(path: Path) -> set[str]:
@@ -102,6 +108,14 @@ class Dialogue:
             ids = self._encode(tokenizer, self.window)
         return ids[-budget:]
 
+    def prompt_messages(self, tokenizer, budget: int | None) -> list[dict]:
+        """The messages of the next prompt, for a server that applies the chat template itself: all of them, or with
+        a tokenizer and a budget the window `prompt_ids` keeps (a single turn longer than the budget is sent whole;
+        the server refuses it if it does not fit its context)."""
+        if tokenizer is not None and budget is not None:
+            self.prompt_ids(tokenizer, budget)
+        return self.messages[: self.head] + self.messages[self.window :]
+
     def _encode(self, tokenizer, start: int) -> list[int]:
         history = self.messages[: self.head] + self.messages[start:]
         return list(tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
@@ -150,7 +164,7 @@ def _stop_ids(model, tokenizer) -> set[int]:
 def generate_batch(model, tokenizer, prompts: list[list[int]], settings: dict) -> tuple[list[str], list[int]]:
     """One reply per prompt (token ids), batched with left padding; (texts, tokens generated per row)."""
     batch = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt")  # rows end together
-    batch = batch.to(next(model.parameters()).device)
+    batch = batch.to(input_device(model))
     generated = model.generate(**batch, **settings)  # [b, T_prompt + new]
     new_tokens = generated[:, batch["input_ids"].shape[1] :]
     texts = [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
@@ -172,7 +186,7 @@ def generate_with_prefix_cache(model, tokenizer, dialogue: Dialogue, prompt: lis
         dialogue.cache = DynamicCache(config=model.config)
     else:
         dialogue.cache.crop(keep - dialogue.cache.get_seq_length())
-    input_ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    input_ids = torch.tensor([prompt], device=input_device(model))
     generated = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                cache=dialogue.cache, **settings)  # [1, T_prompt + new]
     dialogue.cached_ids = generated[0, : dialogue.cache.get_seq_length()].tolist()
@@ -193,6 +207,24 @@ def default_batch_size(conversations: list[dict]) -> int:
     return 1 if users > 2 * max(len(conversations), 1) else 8
 
 
+def _check_conversations(conversations: list[dict]) -> None:
+    from .data import check_dataset
+
+    check_dataset(conversations, need_assistant=False)
+    ids = [c["id"] for c in conversations]
+    if len(set(ids)) != len(ids):
+        raise ValueError("conversation ids are not unique, so a restart could not tell which are done; give each record a unique `id`")
+
+
+def _prompt_budget(max_length: int | None, max_new_tokens: int) -> int | None:
+    """Tokens left for the prompt, or None for no bound."""
+    if max_length is None:
+        return None
+    if max_length - max_new_tokens < 1:
+        raise ValueError(f"--max-length {max_length} leaves no room for the prompt after --max-new-tokens {max_new_tokens}; raise --max-length or lower --max-new-tokens")
+    return max_length - max_new_tokens
+
+
 def regenerate_conversations(model, tokenizer, conversations: list[dict], output: str | os.PathLike,
                              max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                              batch_size: int | None = None, progress: bool = True, max_length: int | None = None) -> int:
@@ -206,17 +238,11 @@ def regenerate_conversations(model, tokenizer, conversations: list[dict], output
     `default_batch_size`. Progress counts replies (turns); with `progress`, the tokens/s is printed at the end.
     Returns the number of conversations written by this call.
     """
-    from .data import check_chat_template, check_dataset
+    from .data import check_chat_template
 
     check_chat_template(tokenizer)
-    check_dataset(conversations, need_assistant=False)
-    ids = [c["id"] for c in conversations]
-    if len(set(ids)) != len(ids):
-        raise ValueError("conversation ids are not unique, so a restart could not tell which are done; give each record a unique `id`")
-    max_length = max_length or context_length(model)
-    budget = None if max_length is None else max_length - max_new_tokens
-    if budget is not None and budget < 1:
-        raise ValueError(f"--max-length {max_length} leaves no room for the prompt after --max-new-tokens {max_new_tokens}; raise --max-length or lower --max-new-tokens")
+    _check_conversations(conversations)
+    budget = _prompt_budget(max_length or context_length(model), max_new_tokens)
     batch_size = batch_size or default_batch_size(conversations)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -259,8 +285,73 @@ def regenerate_conversations(model, tokenizer, conversations: list[dict], output
     return written
 
 
+def _turn_seed(seed: int, conversation_id: str, turn: int) -> int:
+    return int(hashlib.sha256(f"{seed}:{conversation_id}:{turn}".encode()).hexdigest()[:8], 16)
+
+
+def _converse(server, dialogue: Dialogue, sampling: dict, seed: int | None, tokenizer, budget: int | None):
+    """Every turn of one conversation through the server, one after another; (dialogue, reply tokens per turn)."""
+    lengths = []
+    while dialogue.next_user_turn():
+        extra = {} if seed is None else {"seed": _turn_seed(seed, dialogue.id, len(lengths))}
+        reply, tokens = server.complete(dialogue.prompt_messages(tokenizer, budget), **sampling, **extra)
+        dialogue.messages.append({"role": "assistant", "content": reply.strip()})
+        lengths.append(tokens or 0)
+    return dialogue, lengths
+
+
+def regenerate_through_server(server, conversations: list[dict], output: str | os.PathLike, max_new_tokens: int = 256,
+                              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, concurrency: int = 8,
+                              tokenizer=None, max_length: int | None = None, progress: bool = True) -> int:
+    """`regenerate_conversations` through an OpenAI-compatible server (`serving.ChatServer`): the same JSONL, resume
+    and line order, with `concurrency` conversations in flight (the server batches them; each sends its turns in turn).
+
+    Messages go as messages (the server applies the chat template); greedy sends temperature 0, sampling also sends a
+    seed per turn derived from `seed` and the id, so a rerun asks for the same samples. With `tokenizer` and
+    `max_length` the history is bounded as on the local path; without, it is sent whole. Lines are written in input
+    order as conversations finish (at most 2 × `concurrency` run ahead of the oldest unwritten one); on an error the
+    rest is cancelled and what was written stays: rerun to resume. Returns the conversations written by this call.
+    """
+    _check_conversations(conversations)
+    budget = _prompt_budget(max_length, max_new_tokens) if tokenizer is not None else None
+    sampling = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = _read_done(output)
+    todo = iter([Dialogue(c) for c in conversations if c["id"] not in done])
+    turns = {c["id"]: sum(m["role"] == "user" for m in c["messages"]) for c in conversations}
+    bar = tqdm(total=sum(turns.values()), initial=sum(turns[i] for i in done if i in turns), unit="turn",
+               desc="regenerate", disable=not progress)
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regenerate")
+    pending: deque = deque()
+    fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    written, throughput = 0, Throughput()
+    try:
+        while True:
+            while len(pending) < 2 * concurrency and (dialogue := next(todo, None)) is not None:
+                pending.append(pool.submit(_converse, server, dialogue, sampling,
+                                           seed if temperature > 0 else None, tokenizer, budget))
+            if not pending:
+                break
+            dialogue, lengths = pending.popleft().result()
+            _append_line(fd, {"id": dialogue.id, "messages": dialogue.messages}, output)
+            written += 1
+            throughput.add(lengths)
+            bar.update(len(lengths))
+            bar.set_postfix_str(f"{throughput.rate:.1f} tok/s", refresh=False)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # on an error: drop what has not started
+        bar.close()
+        os.close(fd)
+    if progress:
+        print(f"regenerate: {throughput}")
+    return written
+
+
 # ---------------------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .data import add_placement_arguments
+
     parser.description = (
         "Keep the user turns of a chat dataset and let the target write every assistant turn with its own chat "
         "template and sampling settings (on-policy data). Output: messages JSONL with an `id` per conversation; "
@@ -279,31 +370,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument("--max-length", type=int, default=None,
                         help="token budget of prompt + reply; older turns are dropped to fit, the system turn kept "
-                             "(default: the target's context length)")
+                             "(default: the target's context length; with --server: unbounded, the server's own limit)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="conversations per generate call (default: 8, or 1 for multi-turn data, where each "
                              "conversation's KV cache is reused across its turns)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype (default: float32)")
     parser.add_argument("--device", default="cpu", help="device of the target (default: cpu)")
+    add_placement_arguments(parser)
+    server = parser.add_argument_group("serving engine (instead of loading the target here)")
+    server.add_argument("--server", default=None, metavar="URL",
+                        help="base URL of an OpenAI-compatible server (vLLM, SGLang, TGI), e.g. http://localhost:8000; "
+                             "turns are sent to URL/v1/chat/completions")
+    server.add_argument("--model-name", default=None, help="the `model` of each request (default: --target)")
+    server.add_argument("--concurrency", type=int, default=8, help="conversations in flight at once (default: 8)")
+    server.add_argument("--retries", type=int, default=5,
+                        help="retries of a request after a connection error, 429 or 5xx, with exponential backoff (default: 5)")
+    server.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for one reply (default: 600)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar and no tokens/s line")
 
 
 def run(args: argparse.Namespace) -> int:
-    from .data import check_dataset, load_conversations, load_target, select_conversations
+    from .data import check_dataset, load_conversations, load_target, placement_from_args, select_conversations
 
     conversations = load_conversations(args.input)
     check_dataset(conversations, str(args.input), need_assistant=False)
     conversations = select_conversations(conversations, args.input, args.split, args.limit)
     if args.max_turns is not None:
         conversations = [_first_user_turns(c, args.max_turns) for c in conversations]
-    model, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
-    written = regenerate_conversations(
-        model, tokenizer, conversations, args.output, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
-        max_length=args.max_length, progress=not args.no_progress,
-    )
+    placement = placement_from_args(args)
+    if args.server:
+        if placement:
+            raise ValueError("--device-map places a target loaded here; with --server the server holds the target, so drop --device-map")
+        written = _run_through_server(args, conversations)
+    else:
+        model, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device, **placement)
+        written = regenerate_conversations(
+            model, tokenizer, conversations, args.output, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
+            max_length=args.max_length, progress=not args.no_progress,
+        )
     print(f"regenerate: wrote {written} conversations ({len(conversations) - written} already done) -> {args.output}")
     return 0
+
+
+def _run_through_server(args: argparse.Namespace, conversations: list[dict]) -> int:
+    from .data import load_target_tokenizer
+    from .serving import ChatServer
+
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency {args.concurrency} is below 1; pass --concurrency 8 (or how many the server batches)")
+    tokenizer = load_target_tokenizer(args.target) if args.max_length else None  # to bound the history as locally
+    server = ChatServer(args.server, args.model_name or args.target, retries=max(args.retries, 0),
+                        timeout=args.request_timeout, concurrency=args.concurrency)
+    try:
+        return regenerate_through_server(
+            server, conversations, args.output, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_p=args.top_p, seed=args.seed, concurrency=args.concurrency, tokenizer=tokenizer,
+            max_length=args.max_length, progress=not args.no_progress,
+        )
+    finally:
+        server.close()
 
 
 def _first_user_turns(conversation: dict, max_turns: int) -> dict:

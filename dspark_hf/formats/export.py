@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..data import load_target_model
+from ..data import load_target_heads
 from .convert import DTYPES
 from .speculators import read_speculators
 from .toolkit import DraftCheckpoint, write_checkpoint
@@ -62,7 +62,7 @@ def export(
     checkpoint = read_speculators(source)
     if target is not None:
         if isinstance(target, (str, Path)):  # a path, a Hub id, or `smollm2` (the offline target)
-            target = load_target_model(str(target), dtype="float32")
+            target = load_target_heads(str(target))  # the two tensors from the safetensors shards, not the model
         bind_from_target(checkpoint, target)
     if checkpoint.config.bind_target_embeddings:
         raise ValueError(

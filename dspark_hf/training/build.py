@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from .. import DSparkConfig, DSparkForDrafting
 from ..assets import smollm2_path
-from ..data import SMOLLM2_ALIASES, load_target_model
+from ..data import SMOLLM2_ALIASES, load_target_heads
 from ..formats.toolkit import DraftCheckpoint, load_tensors
 from ..formats.zlab import read_zlab_dflash
 from ..vocab import full_draft_vocab, load_draft_vocab
@@ -192,7 +192,7 @@ def build_drafter(args, aux_layer_ids: list[int], log=print, target=None, cache=
     if vocab is not None:
         overrides["draft_vocab_size"] = vocab[0].numel()
     if target is None and args.target:
-        target = load_target_model(args.target, dtype="float32")
+        target = load_target_heads(args.target)  # the two tables a drafter copies, not the model
     # New drafters bind embed_tokens/lm_head from the target at attach time unless a runtime needs the copies.
     overrides.setdefault("bind_target_embeddings", not args.embed_target_copies)
     if args.init_from:

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from ..cache import HiddenStateCache, IndexedCache, collate_samples
-from ..data import load_target_model
+from ..data import load_target_heads
 from .anchors import sample_batch_anchors, slot_mask
 from .build import build_drafter
 from .losses import LossConfig, MetricWindow, draft_labels, dspark_loss, target_probabilities
@@ -225,7 +225,7 @@ def make_model(accelerator, args: TrainingArguments, caches: list[HiddenStateCac
     """(drafter to train, frozen LM-head rows (V_d, d), t2d (V_t,)): the drafter checked against every cache, with
     LoRA adapters when asked. The loss reads plain copies of the head and t2d, exact under FSDP/DeepSpeed sharding."""
     with accelerator.main_process_first():
-        target = load_target_model(args.target, dtype="float32") if args.target else None
+        target = load_target_heads(args.target) if args.target else None
         for cache in caches if target is not None else []:
             cache.check_target(target)
         model = build_drafter(args, caches[0].aux_hidden_state_layer_ids, log=accelerator.print, target=target,
