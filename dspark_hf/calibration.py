@@ -25,7 +25,7 @@ import torch
 
 from . import DSparkForDrafting
 from .cache import HiddenStateCache
-from .data import load_target_heads
+from .data import load_target_heads, resolve_target
 from .metrics import brier_score, expected_calibration_error, log_loss, roc_auc
 from .rollouts import Rollouts, collect_rollouts
 
@@ -97,8 +97,8 @@ def calibrate(model_dir: str, cache_dir: str, output_dir: str | None = None, eva
     The report is computed on `eval_cache_dir` when given (held-out rollouts), else on the fitting rollouts.
     """
     model = DSparkForDrafting.from_pretrained(model_dir, dtype=torch.float32)
-    if target is not None:
-        model.bind_target(load_target_heads(target))
+    if target is not None or model.config.bind_target_embeddings:  # else the embedding and head stay random
+        model.bind_target(load_target_heads(resolve_target(target, model_dir)))
     caches = {"fit": HiddenStateCache(cache_dir)}
     if eval_cache_dir:
         caches["report"] = HiddenStateCache(eval_cache_dir)
@@ -131,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", required=True, help="held-out hidden-state cache to fit the temperatures on")
     parser.add_argument("--eval-cache", help="a second held-out cache to report ECE/AUC on (default: the fitting one)")
     parser.add_argument("--output-dir", help="write the calibrated checkpoint here (default: update --model in place)")
-    parser.add_argument("--target", help="target model directory, for checkpoints saved without embeddings/head")
+    parser.add_argument("--target", help="target path, Hub id or .gguf file whose embedding and LM head the drafter "
+                        "binds (default: the one the drafter records, verifier_name_or_path)")
     parser.add_argument("--max-anchors", type=int, default=256, help="blocks per sample")
     parser.add_argument("--draws", type=int, default=8, help="sampled acceptance draws per block")
     parser.add_argument("--seed", type=int, default=0)
