@@ -230,11 +230,12 @@ def open_caches(accelerator, args: TrainingArguments) -> list[HiddenStateCache |
     """The training data and, when given, the validation cache. A cache has each shard checked against the sha256 in
     its manifest once, before anything reads it: a flipped byte is refused here, naming the shard and the fix.
     Online, the training data is the dataset tokenized up front, its states captured on demand (`online.py`)."""
-    evaluation = [HiddenStateCache(args.eval_cache, verify=True)] if args.eval_cache else []
     if args.online:
-        with accelerator.main_process_first():
-            return [open_online(args, accelerator.device, log=accelerator.print), *evaluation]
-    return [HiddenStateCache(args.train_cache, verify=True), *evaluation]
+        with accelerator.main_process_first():  # the main process fetches the target first, the others read it then
+            train_data = open_online(args, accelerator.device, log=accelerator.print)
+    else:
+        train_data = HiddenStateCache(args.train_cache, verify=True)
+    return [train_data, *([HiddenStateCache(args.eval_cache, verify=True)] if args.eval_cache else [])]
 
 
 def make_model(accelerator, args: TrainingArguments, caches: list):
