@@ -72,10 +72,14 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 
 
 def test_online_training_equals_cache_then_cached_training(world, tmp_path):
-    """8 steps (24 samples, batch 4: across an epoch boundary) online vs on the fp32 cache of the same data."""
-    cached = train(make_args(world, tmp_path / "cached", online=False))
-    online = train(make_args(world, tmp_path / "online", online=True))
+    """8 steps (24 samples, batch 4: across an epoch boundary) online vs on the fp32 cache of the same data; the
+    validation metrics (online `--eval-dataset` vs `--eval-cache`, at steps 0, 4 and 8) agree as well."""
+    cached = train(make_args(world, tmp_path / "cached", online=False, eval_cache=world["cache"], eval_steps=4))
+    online = train(make_args(world, tmp_path / "online", online=True, eval_dataset=world["dataset"], eval_steps=4))
     assert cached["finished"] and online["finished"]
+    assert [step for step, _ in online["eval_history"]] == [0, 4, 8]
+    for (_, ours), (_, theirs) in zip(online["eval_history"], cached["eval_history"], strict=True):
+        assert ours.keys() == theirs.keys() and all(abs(ours[k] - theirs[k]) <= 1e-6 for k in ours if k != "tokens_per_s")
     a, b = load_file(str(Path(cached["drafter"]) / "model.safetensors")), load_file(str(Path(online["drafter"]) / "model.safetensors"))
     worst = _max_difference(a, b)
     print(f"online vs cached: max |Δweight| after 8 steps = {worst:.3e}")
@@ -85,7 +89,7 @@ def test_online_training_equals_cache_then_cached_training(world, tmp_path):
 def test_online_states_round_to_the_cache_dtype(world, tmp_path):
     """By default (--online-dtype bfloat16) the captured states are exactly what a bf16 cache stores."""
     args = make_args(world, tmp_path, online=True, online_dtype="bfloat16", limit=6)
-    online = open_online(args, "cpu", log=lambda *a: None)
+    [online] = open_online(args, "cpu", log=lambda *a: None)
     cache_dir = tmp_path / "bf16"
     from dspark_hf.data import load_conversations
 
@@ -132,6 +136,10 @@ def test_online_training_resumes_bit_identically(world, tmp_path):
      "--online trains without a cache but --train-cache was also given; drop --train-cache"),
     (["--dataset", "{dataset}", "--train-cache", "{cache}", "--target", "{target}"],
      "--dataset is read only by online training; add --online"),
+    (["--eval-dataset", "{dataset}", "--train-cache", "{cache}", "--target", "{target}"],
+     "--eval-dataset is read only by online training; add --online, or build a cache"),
+    (["--online", "--target", "{target}", "--dataset", "{dataset}", "--eval-dataset", "{dataset}", "--eval-cache", "{cache}"],
+     "--eval-dataset and --eval-cache both give validation data; pass only one"),
     (["--online", "--target", "{target}", "--dataset", "{dataset}", "--aux-layers", "1,9"],
      "aux layer ids [9] are outside the target's hidden states [0, 4]"),
 ])

@@ -76,6 +76,10 @@ def _add_online_arguments(parser: argparse.ArgumentParser, defaults: TrainingArg
     online.add_argument("--split", default=defaults.split, choices=["train", "validation", "test", "all"],
                         help="hash split of --dataset to train on (default: all)")
     online.add_argument("--limit", type=int, help="only the first N conversations of the split")
+    online.add_argument("--eval-dataset", help="held-out conversations for periodic validation (online, instead of --eval-cache)")
+    online.add_argument("--eval-split", default=defaults.eval_split, choices=["train", "validation", "test", "all"],
+                        help="hash split of --eval-dataset (default: all; e.g. `--dataset D --split train --eval-dataset "
+                             "D --eval-split validation`)")
     online.add_argument("--max-length", type=int, default=defaults.max_length, help="truncate samples to this many tokens (default: 2048)")
     online.add_argument("--aux-layers", type=_aux_layers,
                         help="comma-separated aux layer ids (default as `dspark-hf cache`: 1, (L-3)//2 and L-4)")

@@ -98,24 +98,36 @@ def check_data_source(args) -> None:
                              "(the conversations to train on); pass both, or train on a cache with --train-cache")
         if getattr(args, "num_workers", 0):
             raise ValueError("--online captures hidden states in the training process; set num_workers=0")
-    elif args.dataset:
-        raise ValueError("--dataset is read only by online training; add --online, or build a cache with `dspark-hf "
-                         "cache --dataset ...` and pass it as --train-cache")
+        if args.eval_dataset and args.eval_cache:
+            raise ValueError("--eval-dataset and --eval-cache both give validation data; pass only one")
+    elif args.dataset or args.eval_dataset:
+        flag = "--dataset" if args.dataset else "--eval-dataset"
+        raise ValueError(f"{flag} is read only by online training; add --online, or build a cache with `dspark-hf "
+                         f"cache --dataset ...` and pass it as --{'train' if args.dataset else 'eval'}-cache")
     elif not args.train_cache:
         raise ValueError("--train-cache is required for `dspark-hf train` (or --online with --target and --dataset)")
 
 
-def open_online(args, device, log=print) -> OnlineHiddenStates:
-    """The dataset tokenized as `dspark-hf cache` tokenizes it and the target loaded in `--target-dtype` on `device`."""
-    conversations = load_conversations(args.dataset)
-    check_dataset(conversations, str(args.dataset))
-    conversations = select_conversations(conversations, args.dataset, args.split, args.limit)
+def _conversations(source: str, split: str, limit: int | None) -> list[dict]:
+    """Read and select as `dspark-hf cache` does (same loader, checks and hash split)."""
+    conversations = load_conversations(source)
+    check_dataset(conversations, str(source))
+    return select_conversations(conversations, source, split, limit)
+
+
+def open_online(args, device, log=print) -> list[OnlineHiddenStates]:
+    """The training data and, with `--eval-dataset`, the validation data: each dataset tokenized as `dspark-hf cache`
+    tokenizes it, both sharing one target loaded in `--target-dtype` on `device` (the datasets are read first, so a
+    bad file is refused before a large target loads)."""
+    sources = [_conversations(args.dataset, args.split, args.limit)]
+    if args.eval_dataset:
+        sources.append(_conversations(args.eval_dataset, args.eval_split, None))
     target, tokenizer = load_target(args.target, dtype=args.target_dtype, device=device)
-    samples = tokenize_conversations(tokenizer, conversations, max_length=args.max_length)
     aux = list(args.aux_layers) if args.aux_layers else default_aux_layer_ids(target.config.get_text_config().num_hidden_layers)
-    data = OnlineHiddenStates(target, samples, aux, args.online_dtype)
-    log(f"online: {len(data)} samples, {data.num_tokens} tokens; target in {args.target_dtype} on {device}, aux layers "
-        f"{aux} stored as {args.online_dtype}")
+    data = [OnlineHiddenStates(target, tokenize_conversations(tokenizer, conversations, max_length=args.max_length),
+                               aux, args.online_dtype) for conversations in sources]
+    log(f"online: {' + '.join(f'{len(d)} samples ({d.num_tokens} tokens)' for d in data)}; target in "
+        f"{args.target_dtype} on {device}, aux layers {aux} stored as {args.online_dtype}")
     return data
 
 

@@ -71,6 +71,8 @@ class TrainingArguments:
     aux_layers: list[int] | None = None  # None = the cache's default (low, middle, high)
     target_dtype: str = "float32"  # dtype the target runs in
     online_dtype: str = "bfloat16"  # the captured states are rounded to it, as a cache stores them in its --dtype
+    eval_dataset: str | None = None  # online validation data (instead of eval_cache)
+    eval_split: str = "all"
     # Initialisation: from scratch (target + draft vocab) or warm start from a DSpark / z-lab DFlash checkpoint.
     target: str | None = None  # target model directory: embed/head are bound from it (`bind_target`)
     draft_vocab: str | None = None  # d2t/t2d file from `dspark-hf vocab`; None = full vocabulary (or the checkpoint's)
@@ -229,13 +231,14 @@ def make_accelerator(args: TrainingArguments, output_dir: Path) -> Accelerator:
 def open_caches(accelerator, args: TrainingArguments) -> list[HiddenStateCache | OnlineHiddenStates]:
     """The training data and, when given, the validation cache. A cache has each shard checked against the sha256 in
     its manifest once, before anything reads it: a flipped byte is refused here, naming the shard and the fix.
-    Online, the training data is the dataset tokenized up front, its states captured on demand (`online.py`)."""
+    Online, training (and `--eval-dataset` validation) data are datasets tokenized up front, their states captured
+    on demand (`online.py`)."""
     if args.online:
         with accelerator.main_process_first():  # the main process fetches the target first, the others read it then
-            train_data = open_online(args, accelerator.device, log=accelerator.print)
+            data = open_online(args, accelerator.device, log=accelerator.print)
     else:
-        train_data = HiddenStateCache(args.train_cache, verify=True)
-    return [train_data, *([HiddenStateCache(args.eval_cache, verify=True)] if args.eval_cache else [])]
+        data = [HiddenStateCache(args.train_cache, verify=True)]
+    return data + ([HiddenStateCache(args.eval_cache, verify=True)] if args.eval_cache else [])
 
 
 def make_model(accelerator, args: TrainingArguments, caches: list):
