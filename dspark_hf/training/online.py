@@ -9,7 +9,8 @@ path's, untouched, so online training on bf16 states equals training on a bf16 c
 
 Why per sample in `__getitem__` rather than one padded forward per batch in the loop:
   - exactness: a sample captured alone has no padding, so its states do not depend on which batch, process or
-    resumed epoch it lands in; they are bit-identical to a cache captured one sample per forward;
+    resumed epoch it lands in; they are bit-identical to a cache captured one sample per forward (`dspark-hf cache
+    --batch-size 1`; its default padded batches of 8 move fp32 states by ~1e-6, other matmul shapes);
   - nothing in the loop changes: validation, the NaN check, `skip_first_batches` on resume (skipped batches are never
     captured) and DDP sharding (each process captures only its own batches) all work as they do on a cache;
   - no compute spent on pads: a random batch of chat samples of mixed length pads to its longest member, while one
