@@ -4,6 +4,7 @@ Run it directly (one process) or under `accelerate launch` (DDP, FSDP, DeepSpeed
   accelerate launch --config_file examples/accelerate/ddp.yaml -m dspark_hf.cli train --train-cache ... --target ...
 `--lora` adapts an existing drafter (`--init-from`) with PEFT; `--merge` also writes a plain merged drafter;
 `--merge-adapter BASE ADAPTER` merges a finished adapter into a plain checkpoint without training.
+`--online --target T --dataset D` trains without a cache: the frozen target runs inside the loop (`online.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import sys
 from dataclasses import fields
 
+from .online import ONLINE_DTYPES, check_data_source
 from .trainer import TrainingArguments
 
 
@@ -35,7 +37,8 @@ def _overrides(items: list[str]) -> dict:
 
 def _add_initialisation_arguments(parser: argparse.ArgumentParser) -> None:
     init = parser.add_argument_group("initialisation")
-    init.add_argument("--target", help="target model path or Hub id (its embeddings and LM head are bound into the drafter)")
+    init.add_argument("--target", help="target model path or Hub id (its embeddings and LM head are bound into the drafter; "
+                      "with --online it also runs inside the training loop)")
     init.add_argument("--embed-target-copies", action="store_true",
                       help="also store the target's embedding and LM-head rows in the drafter's directory (for runtimes "
                            "that cannot bind them from the target; default: bound at attach time, not stored)")
@@ -56,8 +59,39 @@ def _add_initialisation_arguments(parser: argparse.ArgumentParser) -> None:
                       help="any other DSparkConfig field, e.g. intermediate_size=1536 (values parsed as JSON)")
 
 
+def _aux_layers(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer ids, e.g. 1,10,20") from None
+
+
+def _add_online_arguments(parser: argparse.ArgumentParser, defaults: TrainingArguments) -> None:
+    online = parser.add_argument_group(
+        "online (cache-free) training",
+        "run the frozen --target inside the training loop instead of reading a cache; the dataset is read and tokenized "
+        "as `dspark-hf cache` reads it, so the drafter equals one trained on a cache of the same data and dtype")
+    online.add_argument("--online", action="store_true", help="train without a cache (needs --target and --dataset)")
+    online.add_argument("--dataset", help="JSONL (OpenAI messages or ShareGPT), or `chitchat` / `chatterbot`")
+    online.add_argument("--split", default=defaults.split, choices=["train", "validation", "test", "all"],
+                        help="hash split of --dataset to train on (default: all)")
+    online.add_argument("--limit", type=int, help="only the first N conversations of the split")
+    online.add_argument("--eval-dataset", help="held-out conversations for periodic validation (online, instead of --eval-cache)")
+    online.add_argument("--eval-split", default=defaults.eval_split, choices=["train", "validation", "test", "all"],
+                        help="hash split of --eval-dataset (default: all; e.g. `--dataset D --split train --eval-dataset "
+                             "D --eval-split validation`)")
+    online.add_argument("--max-length", type=int, default=defaults.max_length, help="truncate samples to this many tokens (default: 2048)")
+    online.add_argument("--aux-layers", type=_aux_layers,
+                        help="comma-separated aux layer ids (default as `dspark-hf cache`: 1, (L-3)//2 and L-4)")
+    online.add_argument("--target-dtype", default=defaults.target_dtype, choices=list(ONLINE_DTYPES),
+                        help="dtype the target runs in (default: float32)")
+    online.add_argument("--online-dtype", default=defaults.online_dtype, choices=list(ONLINE_DTYPES),
+                        help="the captured hidden states are rounded to this dtype, as a cache stores them in its "
+                             "--dtype (default: bfloat16, the cache's default)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = TrainingArguments(output_dir="", train_cache="")
+    defaults = TrainingArguments(output_dir="")
     data = parser.add_argument_group("data")
     data.add_argument("--train-cache", help="hidden-state cache to train on (`dspark-hf cache`); the drafter reads the aux "
                       "layers it was captured with: by default 1, (L-3)//2 and L-4 of an L-layer target (low, middle "
@@ -65,6 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "you warm-start from or to try other depths")
     data.add_argument("--eval-cache", help="held-out cache for periodic validation")
     data.add_argument("--output-dir", help="where checkpoints, logs and the final drafter go")
+    _add_online_arguments(parser, defaults)
 
     _add_initialisation_arguments(parser)
 
@@ -109,9 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def arguments_from_namespace(args: argparse.Namespace) -> TrainingArguments:
     """The parsed command line as `TrainingArguments` (one clear error for each missing required path)."""
-    for name in ("train_cache", "output_dir"):
-        if not getattr(args, name):
-            raise ValueError(f"--{name.replace('_', '-')} is required for `dspark-hf train`.")
+    check_data_source(args)
+    if not args.output_dir:
+        raise ValueError("--output-dir is required for `dspark-hf train`.")
     overrides = _overrides(args.drafter_config)
     for flag, key in (("mask_token_id", "mask_token_id"), ("num_draft_layers", "num_hidden_layers"),
                       ("block_size", "block_size"), ("sample_from_anchor", "sample_from_anchor"),

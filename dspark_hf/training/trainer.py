@@ -1,4 +1,5 @@
-"""Offline DSpark training on a hidden-state cache with Accelerate.
+"""DSpark training with Accelerate, on a hidden-state cache or online (cache-free: the frozen target runs inside the
+loop on a dataset, `online.py`; the same sampler, anchors and losses, so both give the same drafter).
 
 The same function runs, with no code change, in every setting `accelerate launch` can configure
 (see `examples/accelerate/`):
@@ -49,6 +50,7 @@ from ..data import load_target_heads
 from .anchors import sample_batch_anchors, slot_mask
 from .build import build_drafter
 from .losses import LossConfig, MetricWindow, draft_labels, dspark_loss, target_probabilities
+from .online import OnlineHiddenStates, check_data_source, float32_target, open_online
 
 CHECKPOINTS = "checkpoints"
 
@@ -58,8 +60,19 @@ class TrainingArguments:
     """Everything `dspark-hf train` can set. Paths are plain strings so the dataclass serializes to JSON."""
 
     output_dir: str
-    train_cache: str
+    train_cache: str | None = None  # hidden-state cache (`dspark-hf cache`); or `online` below
     eval_cache: str | None = None
+    # Online (cache-free) training: the frozen `target` runs inside the loop on `dataset` (see `online.py`).
+    online: bool = False
+    dataset: str | None = None  # JSONL or a built-in corpus, read and tokenized as `dspark-hf cache` reads it
+    split: str = "all"
+    limit: int | None = None
+    max_length: int | None = 2048
+    aux_layers: list[int] | None = None  # None = the cache's default (low, middle, high)
+    target_dtype: str = "float32"  # dtype the target runs in
+    online_dtype: str = "bfloat16"  # the captured states are rounded to it, as a cache stores them in its --dtype
+    eval_dataset: str | None = None  # online validation data (instead of eval_cache)
+    eval_split: str = "all"
     # Initialisation: from scratch (target + draft vocab) or warm start from a DSpark / z-lab DFlash checkpoint.
     target: str | None = None  # target model directory: embed/head are bound from it (`bind_target`)
     draft_vocab: str | None = None  # d2t/t2d file from `dspark-hf vocab`; None = full vocabulary (or the checkpoint's)
@@ -215,17 +228,25 @@ def make_accelerator(args: TrainingArguments, output_dir: Path) -> Accelerator:
     )
 
 
-def open_caches(args: TrainingArguments) -> list[HiddenStateCache]:
-    """The training cache and, when given, the validation cache, each shard checked against the sha256 in its
-    manifest once, before anything reads it: a flipped byte is refused here, naming the shard and the fix."""
-    return [HiddenStateCache(path, verify=True) for path in (args.train_cache, args.eval_cache) if path]
+def open_caches(accelerator, args: TrainingArguments) -> list[HiddenStateCache | OnlineHiddenStates]:
+    """The training data and, when given, the validation cache. A cache has each shard checked against the sha256 in
+    its manifest once, before anything reads it: a flipped byte is refused here, naming the shard and the fix.
+    Online, training (and `--eval-dataset` validation) data are datasets tokenized up front, their states captured
+    on demand (`online.py`)."""
+    if args.online:
+        with accelerator.main_process_first():  # the main process fetches the target first, the others read it then
+            data = open_online(args, accelerator.device, log=accelerator.print)
+    else:
+        data = [HiddenStateCache(args.train_cache, verify=True)]
+    return data + ([HiddenStateCache(args.eval_cache, verify=True)] if args.eval_cache else [])
 
 
-def make_model(accelerator, args: TrainingArguments, caches: list[HiddenStateCache]):
+def make_model(accelerator, args: TrainingArguments, caches: list):
     """(drafter to train, frozen LM-head rows (V_d, d), t2d (V_t,)): the drafter checked against every cache, with
-    LoRA adapters when asked. The loss reads plain copies of the head and t2d, exact under FSDP/DeepSpeed sharding."""
+    LoRA adapters when asked. The loss reads plain copies of the head and t2d, exact under FSDP/DeepSpeed sharding.
+    Embedding and head are bound from a float32 target: the online one when it runs in float32, else a fresh load."""
     with accelerator.main_process_first():
-        target = load_target_heads(args.target) if args.target else None
+        target = float32_target(caches[0]) or (load_target_heads(args.target) if args.target else None)
         for cache in caches if target is not None else []:
             cache.check_target(target)
         model = build_drafter(args, caches[0].aux_hidden_state_layer_ids, log=accelerator.print, target=target,
@@ -242,6 +263,7 @@ def make_model(accelerator, args: TrainingArguments, caches: list[HiddenStateCac
 
 
 def make_loaders(args: TrainingArguments, train_cache, eval_cache) -> tuple[DataLoader, DataLoader | None]:
+    """The same seeded sampler and collate for a cache and for online data, so anchors and batches are the same."""
     train_loader = DataLoader(
         IndexedCache(train_cache), batch_size=args.batch_size, shuffle=True, collate_fn=collate_samples,
         num_workers=args.num_workers, generator=torch.Generator().manual_seed(args.seed),
@@ -403,12 +425,14 @@ def finish(loop: TrainingLoop) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------------------- train
 def train(args: TrainingArguments) -> dict[str, Any]:
-    """Train a DSpark drafter on `args.train_cache`; returns the final validation metrics and output paths."""
+    """Train a DSpark drafter on `args.train_cache` (or online, running the target on `args.dataset`); returns the
+    final validation metrics and output paths."""
+    check_data_source(args)
     accelerator = make_accelerator(args, Path(args.output_dir))
     set_seed(args.seed)
 
-    # Data: the caches are checked before anything is built.
-    train_cache, *eval_caches = caches = open_caches(args)
+    # Data: the caches are checked (online: the dataset tokenized, the target loaded) before anything is built.
+    train_cache, *eval_caches = caches = open_caches(accelerator, args)
     eval_cache = eval_caches[0] if eval_caches else None
     # Model (built identically on every process; `prepare` wraps it) and the frozen pieces the loss reads.
     model, head_weight, t2d = make_model(accelerator, args, caches)
