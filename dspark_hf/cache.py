@@ -8,10 +8,15 @@ it needs (`output_hidden_states=[ids..., last]`), so nothing else is materialize
 Layout of `<dir>` (other modules read it; keep it stable):
   manifest.json            format_version, target, target_revision, aux_hidden_state_layer_ids (speculators
                            convention: index into HF hidden_states, 0 = embeddings, k = output of decoder layer k-1),
-                           hidden_size, vocab_size, num_hidden_layers, dtype, num_samples, num_tokens,
-                           shards [{file, num_samples, num_tokens, sha256, bytes}], complete
+                           hidden_size, vocab_size, num_hidden_layers, dtype, [scales], num_samples, num_tokens,
+                           num_shards, shards [{file, num_samples, num_tokens, sha256, bytes}], complete
   shard-00000.safetensors  packed samples: input_ids int64 [ΣT], loss_mask uint8 [ΣT],
                            aux_hidden_states [ΣT, m·d], final_hidden_state [ΣT, d], offsets int64 [n+1]
+
+dtype bfloat16 / float32 stores the states as they are. dtype float8_e4m3fn (manifest `"scales": "per-row"`) stores
+them as fp8 with one float32 scale per row — per token and aux layer: aux_hidden_states_scale [ΣT, m],
+final_hidden_state_scale [ΣT, 1], scale = max|row| / 448 — about half the bf16 bytes; the reader dequantises on load
+(to bfloat16 by default), so training and evaluation read every cache alike.
 
 `target_revision` is the Hub commit hash when transformers knows it, else ``sha256:<hex>`` of the target's input
 embedding and LM head rounded to bfloat16 (cheap, changes whenever the weights do, and stays the same whatever path or
@@ -21,6 +26,12 @@ its `--target`.
 Resumable after kill -9: sample i always lands in shard i // shard_size, a shard is written to a temp name and
 renamed, finished shards are never rewritten, and the manifest is rewritten atomically after each shard, so a
 restart recomputes only the missing shards and produces the same bytes.
+
+Several processes (`accelerate launch dspark-hf cache ...`): shard k is captured by process k % num_processes, so
+the shards are the same bytes whatever the number of processes. Every process checks that all run with the same
+settings; the main process resumes and publishes the manifest before capture, each process writes only its own
+shards, and the main process publishes the final manifest once all have finished. A killed run's finished shards
+are on disk under their final names and are adopted by the rerun, so it recomputes only the missing ones.
 """
 
 from __future__ import annotations
@@ -35,18 +46,26 @@ from bisect import bisect_right
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list, gather_object, parse_flag_from_env
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .data import (check_dataset, load_conversations, load_target, load_target_heads, placement_from_args,
+from .data import (add_placement_arguments, check_dataset, load_conversations, load_target, load_target_heads,
+                   placement_from_args,
                    select_conversations, tokenize_conversations)
 from .target_weights import input_device
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # dtypes a target runs in
+FP8 = "float8_e4m3fn"
+CACHE_DTYPES = {**DTYPES, FP8: torch.float8_e4m3fn}  # dtypes the cache stores hidden states in
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+PER_ROW = "per-row"  # the manifest's `scales` of an fp8 cache: one float32 scale per token and layer
 SHARD_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state", "offsets")
+HIDDEN_TENSORS = ("aux_hidden_states", "final_hidden_state")
 
 
 def shard_name(index: int) -> str:
@@ -108,8 +127,24 @@ def _inputs_digest(samples: list[dict[str, torch.Tensor]]) -> str:
 
 
 def estimate_bytes(num_tokens: int, num_aux_layers: int, hidden_size: int, dtype: str) -> int:
-    """tokens × (m+1) × d × bytes, plus 9 bytes/token of ids and mask."""
-    return num_tokens * ((num_aux_layers + 1) * hidden_size * DTYPES[dtype].itemsize + 9)
+    """tokens × (m+1) × d × bytes, plus 9 bytes/token of ids and mask (and (m+1) float32 scales for fp8)."""
+    scales = (num_aux_layers + 1) * 4 if dtype == FP8 else 0
+    return num_tokens * ((num_aux_layers + 1) * hidden_size * CACHE_DTYPES[dtype].itemsize + scales + 9)
+
+
+def quantize_rows(states: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, g·d] -> fp8 e4m3 [T, g·d] and float32 scales [T, g]: each token's d-wide row of each group scaled by its
+    own max|x| / 448, so every row uses fp8's full range and keeps its ~2⁻⁴ relative precision."""
+    rows = states.float().reshape(len(states), groups, -1)  # [T, g, d]
+    scale = rows.abs().amax(-1) / FP8_MAX  # [T, g]
+    scaled = rows / scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]  # an all-zero row stays zero
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(states.shape), scale
+
+
+def dequantize_rows(quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize_rows`: fp8 [T, g·d] × scales [T, g] -> `dtype` [T, g·d]."""
+    rows = quantized.float().reshape(len(quantized), scale.shape[-1], -1) * scale[..., None]  # [T, g, d]
+    return rows.reshape(quantized.shape).to(dtype)
 
 
 @torch.inference_mode()
@@ -144,7 +179,7 @@ def capture_hidden_states(
     return [(aux[row, :n].cpu(), final[row, :n].cpu()) for row, n in enumerate(lengths)]
 
 
-def _write_shard(path: Path, samples: list[dict], captured: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _write_shard(path: Path, samples: list[dict], captured: list[tuple[torch.Tensor, torch.Tensor]], dtype: str) -> None:
     lengths = torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.int64)
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)  # [n+1]
     offsets[1:] = torch.cumsum(lengths, 0)
@@ -155,6 +190,11 @@ def _write_shard(path: Path, samples: list[dict], captured: list[tuple[torch.Ten
         "final_hidden_state": torch.cat([f for _, f in captured]).contiguous(),  # [ΣT, d]
         "offsets": offsets,
     }
+    if dtype == FP8:
+        groups = {"aux_hidden_states": tensors["aux_hidden_states"].shape[-1] // tensors["final_hidden_state"].shape[-1],
+                  "final_hidden_state": 1}
+        for name, count in groups.items():
+            tensors[name], tensors[f"{name}_scale"] = quantize_rows(tensors[name], count)  # [ΣT, g·d], [ΣT, g]
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     save_file(tensors, tmp, metadata={"format": "pt"})
@@ -187,14 +227,16 @@ def build_cache(
     max_length: int | None = 2048,
     progress: bool = True,
     log=print,
+    state: PartialState | None = None,
 ) -> dict:
     """Capture the target's hidden states for `conversations` into `output_dir`; resumes a partial cache.
 
     `conversations` are normalized conversations (see `dspark_hf.data`); `aux_layer_ids` use the speculators
-    convention. Returns the final manifest.
+    convention. `state` (Accelerate's, under `accelerate launch`) shares the shards out across its processes: each
+    calls build_cache with the same arguments and captures shards rank, rank + n, ... Returns the final manifest.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"cache dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache dtype {dtype!r} is not supported; use one of {', '.join(CACHE_DTYPES)}")
     if shard_size < 1 or batch_size < 1:
         raise ValueError(f"shard_size={shard_size} and batch_size={batch_size} must be >= 1")
     aux_layer_ids = _checked_aux_layers(aux_layer_ids, _target_geometry(model)[2])
@@ -202,11 +244,35 @@ def build_cache(
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     manifest = new_manifest(model, samples, aux_layer_ids, dtype, shard_size, max_length)
-    done = resume_shards(output_dir, manifest)
-    todo = [k for k in range(manifest["num_shards"]) if shard_name(k) not in done]
-    check_disk_space(output_dir, manifest, samples, todo, log)
-    _publish(output_dir, manifest, done)
-    capture_shards(model, samples, todo, output_dir, manifest, done, batch_size, progress)
+    rank, world = (state.process_index, state.num_processes) if state is not None else (0, 1)
+    if world > 1:
+        check_same_settings(gather_object([{key: manifest[key] for key in SETTINGS_KEYS}]))
+    done, error = {}, None
+    if rank == 0:  # only the main process touches the manifest and the leftovers of a killed run
+        try:
+            done = resume_shards(output_dir, manifest)
+            todo = [k for k in range(manifest["num_shards"]) if shard_name(k) not in done]
+            check_disk_space(output_dir, manifest, samples, todo, log)
+            _publish(output_dir, manifest, done)
+        except ValueError as problem:
+            if world == 1:
+                raise
+            error = str(problem)
+    if world > 1:  # every process stops on the main one's refusal instead of waiting for it forever
+        done, error = broadcast_object_list([done, error])
+        if error:
+            raise ValueError(error)
+    mine = [k for k in range(rank, manifest["num_shards"], world) if shard_name(k) not in done]
+    if world > 1:
+        log(f"cache: process {rank} of {world} captures {len(mine)} shards")
+    capture_shards(model, samples, mine, output_dir, manifest, done, batch_size, progress and rank == 0, publish=world == 1)
+    if world > 1:
+        for finished in gather_object([done]):
+            done.update(finished)
+        if rank == 0:
+            _publish(output_dir, manifest, done)
+        state.wait_for_everyone()  # no process returns before the manifest lists every shard
+        manifest = json.loads((output_dir / MANIFEST).read_text())
     return manifest
 
 
@@ -228,7 +294,9 @@ def _shard_samples(samples: list, k: int, shard_size: int) -> list:
 def new_manifest(model, samples, aux_layer_ids: list[int], dtype: str, shard_size: int, max_length: int | None) -> dict:
     """The manifest of a cache not yet captured (the settings a resumed cache must match, no shards)."""
     hidden_size, vocab_size, num_layers = _target_geometry(model)
+    scales = {"scales": PER_ROW} if dtype == FP8 else {}
     return {
+        **scales,
         "format_version": FORMAT_VERSION,
         "target": getattr(model, "name_or_path", None) or model.config.name_or_path,
         "target_revision": target_revision(model),
@@ -249,6 +317,18 @@ def new_manifest(model, samples, aux_layer_ids: list[int], dtype: str, shard_siz
 
 
 RESUME_KEYS = ("target", "target_revision", "aux_hidden_state_layer_ids", "dtype", "shard_size", "max_length", "inputs_sha256")
+SETTINGS_KEYS = (*RESUME_KEYS, "hidden_size", "vocab_size", "num_hidden_layers")
+
+
+def check_same_settings(settings: list[dict]) -> None:
+    """Refuse a multi-process run whose processes disagree on what the cache holds (`settings[r]` from process r)."""
+    for rank, theirs in enumerate(settings[1:], start=1):
+        for key in SETTINGS_KEYS:
+            if theirs[key] != settings[0][key]:
+                raise ValueError(
+                    f"the cache processes disagree on {key}: process {rank} has {theirs[key]!r}, process 0 has "
+                    f"{settings[0][key]!r}; launch every process with the same arguments, target and dataset"
+                )
 
 
 def resume_shards(output_dir: Path, manifest: dict) -> dict[str, dict]:
@@ -271,10 +351,35 @@ def resume_shards(output_dir: Path, manifest: dict) -> dict[str, dict]:
         path = output_dir / shard_name(k)
         if path.name not in done and path.is_file():
             try:
-                done[path.name] = _shard_entry(path)
+                layout = _shard_layout(path)
+                entry = _shard_entry(path)
             except Exception:
                 path.unlink()
+                continue
+            _check_layout(output_dir, path.name, layout, manifest)
+            done[path.name] = entry
     return done
+
+
+def _shard_layout(path: Path) -> dict[str, tuple[str, int]]:
+    """(dtype, width) of each hidden-state tensor of a shard on disk, from its header."""
+    with safe_open(str(path), framework="pt") as handle:
+        return {name: (str(handle.get_slice(name).get_dtype()), handle.get_slice(name).get_shape()[-1])
+                for name in HIDDEN_TENSORS}
+
+
+def _check_layout(output_dir: Path, name: str, layout: dict, manifest: dict) -> None:
+    """Refuse a finished shard that a process with other --dtype or --aux-layers left in the directory."""
+    d, m = manifest["hidden_size"], len(manifest["aux_hidden_state_layer_ids"])
+    expected_dtype = {"bfloat16": "BF16", "float32": "F32", FP8: "F8_E4M3"}[manifest["dtype"]]
+    expected = {"aux_hidden_states": (expected_dtype, m * d), "final_hidden_state": (expected_dtype, d)}
+    if layout != expected:
+        (dtype, width), (want_dtype, want_width) = layout["aux_hidden_states"], expected["aux_hidden_states"]
+        raise ValueError(
+            f"{output_dir}/{name} was written with other settings ({dtype} aux states of width {width}, this run "
+            f"stores {want_dtype} of width {want_width} = {m} layers × {d}); a process with another --dtype or "
+            f"--aux-layers wrote into this directory: use a new output directory or delete the shard to start over"
+        )
 
 
 def check_disk_space(output_dir: Path, manifest: dict, samples: list, todo: list[int], log=print) -> None:
@@ -308,9 +413,11 @@ def _publish(output_dir: Path, manifest: dict, done: dict[str, dict]) -> None:
 
 
 def capture_shards(model, samples, todo: list[int], output_dir: Path, manifest: dict, done: dict[str, dict],
-                   batch_size: int, progress: bool = True) -> None:
-    """Capture and write each missing shard, publishing the manifest after each one (resumable after kill -9)."""
-    shard_size, store_dtype = manifest["shard_size"], DTYPES[manifest["dtype"]]
+                   batch_size: int, progress: bool = True, publish: bool = True) -> None:
+    """Capture and write each shard in `todo`, adding it to `done` and (`publish`: one process) publishing the
+    manifest after each one (resumable after kill -9)."""
+    shard_size, dtype = manifest["shard_size"], manifest["dtype"]
+    store_dtype = torch.float32 if dtype == FP8 else DTYPES[dtype]  # fp8 is quantized row by row when written
     aux_layer_ids = manifest["aux_hidden_state_layer_ids"]
     model.eval()
     todo_tokens = sum(len(s["input_ids"]) for k in todo for s in _shard_samples(samples, k, shard_size))
@@ -326,19 +433,22 @@ def capture_shards(model, samples, todo: list[int], output_dir: Path, manifest: 
                 captured[row] = result
             bar.update(sum(len(shard_samples[i]["input_ids"]) for i in rows))
         path = output_dir / shard_name(k)
-        _write_shard(path, shard_samples, captured)
+        _write_shard(path, shard_samples, captured, dtype)
         done[path.name] = _shard_entry(path)
-        _publish(output_dir, manifest, done)
+        if publish:
+            _publish(output_dir, manifest, done)
     bar.close()
 
 
 # ------------------------------------------------------------------------------------------------------- reader
 class HiddenStateCache(torch.utils.data.Dataset):
     """Memory-mapped reader of a finished cache: `cache[i]` -> {input_ids [T], loss_mask bool [T],
-    aux_hidden_states [T, m·d], final_hidden_state [T, d]}. Only the rows of sample i are read from disk."""
+    aux_hidden_states [T, m·d], final_hidden_state [T, d]}. Only the rows of sample i are read from disk. States
+    come in their stored dtype; an fp8 cache's are dequantised to `dequantize_to` (bfloat16 by default)."""
 
-    def __init__(self, path: str | os.PathLike, verify: bool = False):
+    def __init__(self, path: str | os.PathLike, verify: bool = False, dequantize_to: torch.dtype = torch.bfloat16):
         self.path = Path(path)
+        self.dequantize_to = dequantize_to
         manifest_path = self.path / MANIFEST
         if not manifest_path.is_file():
             raise FileNotFoundError(f"{self.path} is not a hidden-state cache (no {MANIFEST}); build one with `dspark-hf cache`")
@@ -353,6 +463,13 @@ class HiddenStateCache(torch.utils.data.Dataset):
                 f"cache {self.path} is incomplete ({len(self.manifest.get('shards', []))} of "
                 f"{self.manifest.get('num_shards', '?')} shards); rerun the same `dspark-hf cache` command to finish it"
             )
+        self.quantized = self.manifest["dtype"] == FP8
+        if self.quantized and self.manifest.get("scales") != PER_ROW:
+            raise ValueError(
+                f"cache {self.path} stores fp8 with {self.manifest.get('scales')!r} scales, this reader reads "
+                f"{PER_ROW!r} scales; rebuild it with this version of `dspark-hf cache`"
+            )
+        self._check_every_shard_listed()
         for shard in self.manifest["shards"]:
             file = self.path / shard["file"]
             if not file.is_file():
@@ -369,6 +486,19 @@ class HiddenStateCache(torch.utils.data.Dataset):
         self._offsets: dict[int, torch.Tensor] = {}
         if verify:
             self.verify()
+
+    def _check_every_shard_listed(self) -> None:
+        """A complete manifest lists shard 0 .. num_shards-1 in order (each process writes every n-th shard, so a
+        manifest assembled without one process's shards has gaps)."""
+        listed = [shard["file"] for shard in self.manifest["shards"]]
+        expected = [shard_name(k) for k in range(self.manifest.get("num_shards", len(listed)))]
+        if listed != expected:
+            missing = next((name for name in expected if name not in listed), None)
+            problem = f"does not list {missing}" if missing else f"lists {listed} instead of {expected}"
+            raise ValueError(
+                f"cache {self.path}: the manifest {problem} (of {len(expected)} shards; a process's shards are missing "
+                f"from it); rerun the same `dspark-hf cache` command to finish the cache"
+            )
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -406,9 +536,16 @@ class HiddenStateCache(torch.utils.data.Dataset):
         return {
             "input_ids": handle.get_slice("input_ids")[start:end],  # int64 [T]
             "loss_mask": handle.get_slice("loss_mask")[start:end].bool(),  # bool [T]
-            "aux_hidden_states": handle.get_slice("aux_hidden_states")[start:end],  # [T, m·d]
-            "final_hidden_state": handle.get_slice("final_hidden_state")[start:end],  # [T, d]
+            "aux_hidden_states": self._states(handle, "aux_hidden_states", start, end),  # [T, m·d]
+            "final_hidden_state": self._states(handle, "final_hidden_state", start, end),  # [T, d]
         }
+
+    def _states(self, handle, name: str, start: int | None = None, end: int | None = None) -> torch.Tensor:
+        """Rows [start, end) of a hidden-state tensor, dequantised when the cache stores fp8."""
+        states = handle.get_slice(name)[start:end]
+        if not self.quantized:
+            return states
+        return dequantize_rows(states, handle.get_slice(f"{name}_scale")[start:end], self.dequantize_to)
 
     def __iter__(self):
         for index in range(len(self)):
@@ -418,7 +555,8 @@ class HiddenStateCache(torch.utils.data.Dataset):
         """Whole shards as packed tensors (input_ids, loss_mask, aux_hidden_states, final_hidden_state, offsets)."""
         for shard in range(len(self.manifest["shards"])):
             handle, _ = self._open(shard)
-            yield {name: handle.get_tensor(name) for name in SHARD_TENSORS}
+            yield {name: self._states(handle, name) if name in HIDDEN_TENSORS else handle.get_tensor(name)
+                   for name in SHARD_TENSORS}
 
     def token_ids(self) -> set[int]:
         """Every token id that occurs in the cache (reads input_ids only, shard by shard)."""
@@ -543,14 +681,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default="all", choices=["train", "validation", "test", "all"],
                         help="hash split to cache (default: all; a regenerated file is already split)")
     parser.add_argument("--limit", type=int, default=None, help="cache only the first N conversations of the split")
-    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="storage dtype of hidden states (default: bfloat16)")
+    parser.add_argument("--dtype", default="bfloat16", choices=list(CACHE_DTYPES),
+                        help="storage dtype of hidden states (default: bfloat16); float8_e4m3fn stores fp8 with one "
+                        "float32 scale per token and layer, about half the bytes, dequantised when read")
     parser.add_argument("--target-dtype", default="float32", choices=list(DTYPES), help="dtype the target runs in (default: float32)")
     parser.add_argument("--max-length", type=int, default=2048, help="truncate samples to this many tokens (default: 2048)")
     parser.add_argument("--shard-size", type=int, default=256, help="samples per shard (default: 256)")
     parser.add_argument("--batch-size", type=int, default=8, help="samples per target forward (default: 8)")
-    parser.add_argument("--device", default="cpu", help="device of the target (default: cpu)")
-    from .data import add_placement_arguments
-
+    parser.add_argument("--device", default=None,
+                        help="device of the target (default: cpu; under `accelerate launch` with several processes, "
+                        "each process's own device)")
     add_placement_arguments(parser)
 
 
@@ -559,7 +699,10 @@ def run(args: argparse.Namespace) -> int:
     check_dataset(conversations, str(args.dataset))
     conversations = select_conversations(conversations, args.dataset, args.split, args.limit)
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
-    model, tokenizer = load_target(args.target, dtype=args.target_dtype, device=args.device, **placement_from_args(args))
+    # `accelerate launch` with n processes: shard k is captured by process k % n; a plain run is one process
+    state = PartialState(cpu=args.device == "cpu" or parse_flag_from_env("ACCELERATE_USE_CPU"))
+    device = args.device or ("cpu" if state.num_processes == 1 else state.device)
+    model, tokenizer = load_target(args.target, dtype=args.target_dtype, device=device, **placement_from_args(args))
     manifest = build_cache(
         model,
         tokenizer,
@@ -570,6 +713,9 @@ def run(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         batch_size=args.batch_size,
         max_length=args.max_length,
+        progress=state.is_main_process,
+        state=state,
     )
-    print(f"cache: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens in {len(manifest['shards'])} shards -> {args.output}")
+    if state.is_main_process:
+        print(f"cache: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens in {len(manifest['shards'])} shards -> {args.output}")
     return 0
