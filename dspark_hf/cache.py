@@ -53,8 +53,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .data import (add_placement_arguments, check_dataset, load_conversations, load_target, load_target_heads,
-                   placement_from_args,
-                   select_conversations, tokenize_conversations)
+                   placement_from_args, select_conversations, tokenize_conversations)
 from .target_weights import input_device
 
 FORMAT_VERSION = 1
