@@ -14,7 +14,9 @@
 # Intermediate files go to $WORK (default build/smollm2-drafter). Every stage is skipped when its output exists,
 # regenerate/cache/train resume where an interrupted run stopped (training checkpoints every 100 steps; set
 # MAX_STEPS_PER_RUN to time-box a run), so rerunning the script continues the work.
-# Sized for 2 CPU cores: about 2.5 hours on an idle machine; THREADS per job, STEPS and SHARE trade quality for time.
+# Sized for 2 CPU cores: about 2.5 hours on an idle machine; THREADS per job, STEPS and SIZE (percent of each domain's
+# prompts) trade quality for time; BENCH_PROMPTS / BENCH_REPS size the final benchmark. A smoke run of the whole
+# pipeline: WORK=/tmp/d OUT_DSPARK=/tmp/d/dspark OUT_DFLASH=/tmp/d/dflash SIZE=1 VALIDATION=2 STEPS=10 BENCH_PROMPTS=1 BENCH_REPS=1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +27,9 @@ OUT_DSPARK=${OUT_DSPARK:-examples/smollm2-dspark}
 OUT_DFLASH=${OUT_DFLASH:-examples/smollm2-dflash}
 THREADS=${THREADS:-1}                 # 1 thread per job beats 2 oversubscribed ones on a shared 2-core box
 STEPS=${STEPS:-2000}
+SIZE=${SIZE:-100}                      # percent of each domain's prompts below
 VALIDATION=${VALIDATION:-16}           # validation conversations per corpus (calibration and offline eval)
+BENCH_PROMPTS=${BENCH_PROMPTS:-4}; BENCH_REPS=${BENCH_REPS:-2}
 AUX=2,15,28                            # speculators convention (HF hidden_states index) of SmolLM2's 30 layers
 MASK=16                                # <empty_output>: a special token chat never uses
 export OMP_NUM_THREADS=$THREADS HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -40,14 +44,15 @@ regen() {  # corpus split limit max-turns temperature max-new-tokens
 }
 # Each domain is filled in passes (a quarter, a half, then all of its share), so a run stopped at any point leaves
 # balanced data; a rerun skips the conversations already written.
-for share in 4 2 1; do
-  regen chitchat train $((1200 / share)) 2 0 128
-  regen wordnet-nouns train $((2400 / share)) 1 0 128
-  regen stdlib-explain train $((1000 / share)) 1 0 160
-  regen chatterbot train $((1900 / share)) 1 0.8 128
-  regen wordnet-verbs train $((2000 / share)) 1 0.8 128
-  regen stdlib-write train $((800 / share)) 1 0.8 160
-  regen chitchat-long train $((240 / share)) 6 0.8 128
+share() { echo $(( ($1 * SIZE / 100 + $2 - 1) / $2 )); }  # $1 prompts at SIZE percent, pass 1/$2
+for pass in 4 2 1; do
+  regen chitchat train "$(share 1200 $pass)" 2 0 128
+  regen wordnet-nouns train "$(share 2400 $pass)" 1 0 128
+  regen stdlib-explain train "$(share 1000 $pass)" 1 0 160
+  regen chatterbot train "$(share 1900 $pass)" 1 0.8 128
+  regen wordnet-verbs train "$(share 2000 $pass)" 1 0.8 128
+  regen stdlib-write train "$(share 800 $pass)" 1 0.8 160
+  regen chitchat-long train "$(share 240 $pass)" 6 0.8 128
 done
 for corpus in chitchat wordnet-nouns stdlib-explain chatterbot wordnet-verbs stdlib-write chitchat-long; do
   turns=1; [ "$corpus" = chitchat ] && turns=2; [ "$corpus" = chitchat-long ] && turns=6
@@ -110,9 +115,9 @@ EVAL=(--cache "$WORK/cache-validation" --num-prompts 0 --threads "$THREADS")
 [ -f "$WORK/eval-dflash.json" ] || $CLI eval --model "$OUT_DFLASH" "${EVAL[@]}" --json "$WORK/eval-dflash.json"
 [ -f "$OUT_DSPARK/eval.json" ] || $CLI eval --model "$OUT_DSPARK" "${EVAL[@]}" --plots "$OUT_DSPARK" --json "$OUT_DSPARK/eval.json"
 cp "$WORK/eval-dflash.json" "$OUT_DFLASH/eval.json"
-BENCH=(--model "$OUT_DSPARK" --dflash "$OUT_DFLASH" --prompts chitchat wordnet-nouns stdlib-explain chitchat-long humaneval
-  --num-prompts 4 --max-new-tokens 96 --repetitions 2 --threads "$THREADS")
+BENCH=(--model "$OUT_DSPARK" --dflash "$OUT_DFLASH" --prompts chitchat wordnet-nouns stdlib-explain chitchat-long:test:6 humaneval:all
+  --num-prompts "$BENCH_PROMPTS" --max-new-tokens 96 --repetitions "$BENCH_REPS" --threads "$THREADS")
 [ -f "$OUT_DSPARK/bench-bf16.json" ] || $CLI bench "${BENCH[@]}" --dtype bfloat16 --plots "$OUT_DSPARK" --json "$OUT_DSPARK/bench-bf16.json"
-[ -f "$OUT_DSPARK/bench-fp32.json" ] || $CLI bench "${BENCH[@]}" --dtype float32 --methods plain dspark --json "$OUT_DSPARK/bench-fp32.json"
+[ -f "$OUT_DSPARK/bench-fp32.json" ] || $CLI bench "${BENCH[@]}" --dtype float32 --methods plain dspark-fixed dspark --json "$OUT_DSPARK/bench-fp32.json"
 $PY examples/model_card.py "$OUT_DSPARK" "$WORK" "$OUT_DFLASH" "$(( $(date +%s) - START ))" "$STEPS"
 stage "done: $OUT_DSPARK ($(du -sh "$OUT_DSPARK" | cut -f1)), $OUT_DFLASH ($(du -sh "$OUT_DFLASH" | cut -f1))"
