@@ -175,57 +175,45 @@ class DSparkConfig(PreTrainedConfig):
         self.verifier_architectures = self.verifier_architectures or verifier.get("architectures") or None
 
     def _check(self):
-        """One clear error per impossible combination (DESIGN §9)."""
-        if self.hidden_size != self.target_hidden_size:
-            raise ValueError(
-                f"DSparkConfig: hidden_size={self.hidden_size} differs from target_hidden_size={self.target_hidden_size}; "
-                "the drafter reads the target's embeddings, so set hidden_size to the target's hidden size."
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"DSparkConfig: num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}; choose a divisor for the KV heads."
-            )
-        if self.markov_head_type not in MARKOV_HEAD_TYPES:
-            raise ValueError(
-                f"DSparkConfig: unknown markov_head_type {self.markov_head_type!r}; use one of {', '.join(MARKOV_HEAD_TYPES)}."
-            )
-        if self.markov_rank < 0:
-            raise ValueError(f"DSparkConfig: markov_rank={self.markov_rank} is negative; use 0 to disable the Markov head.")
-        if self.markov_rank == 0 and self.markov_head_type != "vanilla":
-            raise ValueError(
-                f"DSparkConfig: markov_head_type={self.markov_head_type!r} needs markov_rank > 0; set a rank or use 'vanilla'."
-            )
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(
-                f"DSparkConfig: draft_vocab_size={self.draft_vocab_size} is larger than the vocabulary "
-                f"(vocab_size={self.vocab_size}); use at most vocab_size."
-            )
-        if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"DSparkConfig: mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}); "
-                "pick an unused or reserved token id of the target tokenizer."
-            )
-        if self.block_size < 2 - int(self.sample_from_anchor):
-            raise ValueError(
-                f"DSparkConfig: block_size={self.block_size} drafts no token with sample_from_anchor={self.sample_from_anchor}; "
-                "use block_size >= 2."
-            )
-        if not self.aux_hidden_state_layer_ids or min(self.aux_hidden_state_layer_ids) < 0:
-            raise ValueError(
-                f"DSparkConfig: aux_hidden_state_layer_ids={self.aux_hidden_state_layer_ids} must be non-empty and >= 0 "
-                "(speculators convention: 0 = embeddings, k = output of decoder layer k-1)."
-            )
-        if self.target_num_hidden_layers is not None and max(self.aux_hidden_state_layer_ids) > self.target_num_hidden_layers:
-            raise ValueError(
-                f"DSparkConfig: aux layer id {max(self.aux_hidden_state_layer_ids)} is beyond the target's "
-                f"{self.target_num_hidden_layers} layers; use ids in [0, {self.target_num_hidden_layers}]."
-            )
-        if len(self.confidence_temperatures) != self.num_draft_tokens or min(self.confidence_temperatures) <= 0:
-            raise ValueError(
-                f"DSparkConfig: confidence_temperatures needs {self.num_draft_tokens} positive values "
-                f"(one per draft), got {self.confidence_temperatures}; use 1.0 for uncalibrated positions."
-            )
+        """One clear error per impossible combination (DESIGN §9): the first (condition, message) that holds is raised."""
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        rank, head_type = self.markov_rank, self.markov_head_type
+        vocab, draft_vocab, mask = self.vocab_size, self.draft_vocab_size, self.mask_token_id
+        aux_ids, target_layers = self.aux_hidden_state_layer_ids, self.target_num_hidden_layers
+        drafts, temperatures = self.num_draft_tokens, self.confidence_temperatures
+        checks = (
+            (self.hidden_size != self.target_hidden_size,
+             f"hidden_size={self.hidden_size} differs from target_hidden_size={self.target_hidden_size}; "
+             "the drafter reads the target's embeddings, so set hidden_size to the target's hidden size."),
+            (not kv_heads or heads % kv_heads != 0,
+             f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}; "
+             "choose a divisor for the KV heads."),
+            (head_type not in MARKOV_HEAD_TYPES,
+             f"unknown markov_head_type {head_type!r}; use one of {', '.join(MARKOV_HEAD_TYPES)}."),
+            (rank < 0, f"markov_rank={rank} is negative; use 0 to disable the Markov head."),
+            (rank == 0 and head_type != "vanilla",
+             f"markov_head_type={head_type!r} needs markov_rank > 0; set a rank or use 'vanilla'."),
+            (not 1 <= draft_vocab <= vocab,
+             f"draft_vocab_size={draft_vocab} is larger than the vocabulary (vocab_size={vocab}); use at most vocab_size."),
+            (mask is None or not 0 <= mask < vocab,
+             f"mask_token_id={mask} is outside the vocabulary [0, {vocab}); "
+             "pick an unused or reserved token id of the target tokenizer."),
+            (self.block_size < 2 - int(self.sample_from_anchor),
+             f"block_size={self.block_size} drafts no token with sample_from_anchor={self.sample_from_anchor}; "
+             "use block_size >= 2."),
+            (not aux_ids or min(aux_ids) < 0,
+             f"aux_hidden_state_layer_ids={aux_ids} must be non-empty and >= 0 "
+             "(speculators convention: 0 = embeddings, k = output of decoder layer k-1)."),
+            (target_layers is not None and max(aux_ids, default=0) > target_layers,
+             f"aux layer id {max(aux_ids, default=0)} is beyond the target's {target_layers} layers; "
+             f"use ids in [0, {target_layers}]."),
+            (len(temperatures) != drafts or min(temperatures, default=0) <= 0,
+             f"confidence_temperatures needs {drafts} positive values (one per draft), got {temperatures}; "
+             "use 1.0 for uncalibrated positions."),
+        )
+        for failed, message in checks:
+            if failed:
+                raise ValueError(f"DSparkConfig: {message}")
 
     # ----------------------------------------------------------------------------------------------------------------
     # Derived views

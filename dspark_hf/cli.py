@@ -15,9 +15,10 @@ import sys
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "regenerate": ("dspark_hf.regenerate", "let the target write every assistant turn (on-policy data)"),
-    "cache": ("dspark_hf.cache", "capture target hidden states into a sharded safetensors cache"),
+    "cache": ("dspark_hf.cache", "capture target hidden states into a sharded safetensors cache (bf16 or fp8; "
+              "`accelerate launch` splits it across processes)"),
     "vocab": ("dspark_hf.vocab", "build the draft vocabulary (d2t/t2d) from assistant-token frequencies"),
-    "train": ("dspark_hf.training.cli", "train a DSpark drafter from a cache with Accelerate"),
+    "train": ("dspark_hf.training.cli", "train a DSpark drafter from a cache or online (--online) with Accelerate"),
     "calibrate": ("dspark_hf.calibration", "fit per-position confidence temperatures (Sequential Temperature Scaling)"),
     "eval": ("dspark_hf.evaluation", "offline τ/acceptance on a cache, online acceptance and speed with generate"),
     "bench": ("dspark_hf.benchmark", "tokens/s of DSpark vs plain generate and other speculative baselines"),

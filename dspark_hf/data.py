@@ -326,13 +326,18 @@ def _load_model(location: str, name: str | None, dtype: str, device: str, placem
 
 
 def _location_and_name(name_or_path: str) -> tuple[str, str | None]:
-    """Where the weights are, and the name a loaded model would carry when it is not that location."""
+    """Where the weights are, and the name a loaded model carries (and a drafter records as its verifier): the Hub
+    name for `smollm2`, the absolute path for a local directory or `.gguf` file (so a drafter trained with a
+    relative --target finds it from any directory), None for a Hub id (it keeps its own name)."""
     if name_or_path.lower() in SMOLLM2_ALIASES:
         from .assets import SMOLLM2_NAME, smollm2_path
 
         return str(smollm2_path()), SMOLLM2_NAME
-    name = str(Path(name_or_path).expanduser().resolve()) if name_or_path.endswith(".gguf") else None
-    return _target_location(name_or_path), name
+    location = _target_location(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if name_or_path.endswith(".gguf"):
+        return location, str(path.resolve())
+    return location, os.path.abspath(path) if path.is_dir() else None
 
 
 def load_target_model(name_or_path: str, dtype: str = "float32", device: str = "cpu", device_map: str | dict | None = None,

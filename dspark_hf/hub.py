@@ -64,8 +64,23 @@ def build_model_card(
     """
     target = target or config.verifier_name_or_path
     data = ModelCardData(library_name="transformers", tags=list(CARD_TAGS), base_model=target)
-    name = repo_id or "this drafter"
-    n = config.num_draft_tokens
+    sections = [
+        f"# DSpark drafter for {target or 'its target'}",
+        description
+        or "A DSpark speculative-decoding drafter: one parallel pass drafts a block from fused target hidden states, "
+        "a Markov head corrects it left to right, and a confidence head predicts how far it will be accepted. "
+        "Generation with it is lossless: the output is that of the target alone.",
+        "## Architecture",
+        markdown_table(_architecture_rows(config, target), "Field"),
+        *_usage_section(target, repo_id, config.num_draft_tokens),
+        *_training_section(training_data, training_command),
+        *_measurement_sections(config, tau, speed, machine),
+    ]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
+
+
+def _architecture_rows(config, target: str | None) -> dict[str, dict[str, Any]]:
+    """The rows of the card's architecture table: what a user must match (target, aux layers, slots, vocabulary)."""
     vocab = (
         f"{config.draft_vocab_size} of {config.vocab_size} target tokens (d2t/t2d)"
         if config.draft_vocab_size < config.vocab_size
@@ -77,11 +92,11 @@ def build_model_card(
         if config.enable_confidence_head
         else "off"
     )
-    architecture = {
+    return {
         "Target": {"value": target or "unspecified"},
         "Draft layers": {"value": f"{config.num_hidden_layers} × Qwen3-style (d = {config.hidden_size}, "
                                   f"{config.num_attention_heads}/{config.num_key_value_heads} heads, FFN {config.intermediate_size})"},
-        "Block size": {"value": f"{config.block_size} ({n} drafts per block, sample_from_anchor = "
+        "Block size": {"value": f"{config.block_size} ({config.num_draft_tokens} drafts per block, sample_from_anchor = "
                                 f"{str(config.sample_from_anchor).lower()})"},
         "Aux layers": {"value": f"{list(config.aux_hidden_state_layer_ids)} (HF hidden_states index; "
                                 f"target_layer_ids {config.target_layer_ids})"},
@@ -90,14 +105,11 @@ def build_model_card(
         "Markov head": {"value": markov},
         "Confidence head": {"value": confidence},
     }
-    sections = [
-        f"# DSpark drafter for {target or 'its target'}",
-        description
-        or "A DSpark speculative-decoding drafter: one parallel pass drafts a block from fused target hidden states, "
-        "a Markov head corrects it left to right, and a confidence head predicts how far it will be accepted. "
-        "Generation with it is lossless: the output is that of the target alone.",
-        "## Architecture",
-        markdown_table(architecture, "Field"),
+
+
+def _usage_section(target: str | None, repo_id: str | None, num_draft_tokens: int) -> list[str]:
+    """How to generate with the drafter in transformers, and the vLLM speculative config."""
+    return [
         "## Usage",
         "```python\n"
         "from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer\n\n"
@@ -108,27 +120,38 @@ def build_model_card(
         "out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=128)\n"
         "```",
         "vLLM: `--speculative-config '{\"method\": \"dspark\", \"model\": \""
-        f"{repo_id or 'REPO_ID'}\", \"num_speculative_tokens\": {n}}}'`.",
+        f"{repo_id or 'REPO_ID'}\", \"num_speculative_tokens\": {num_draft_tokens}}}'`.",
     ]
-    if training_data or training_command:
-        sections.append("## Training")
-        if training_data:
-            items = [training_data] if isinstance(training_data, str) else list(training_data)
-            sections.append("Data:\n" + "\n".join(f"- {item}" for item in items))
-        if training_command:
-            sections.append(f"Command:\n\n```bash\n{training_command}\n```")
+
+
+def _training_section(training_data: str | Sequence[str] | None, training_command: str | None) -> list[str]:
+    """The data and the exact command, when given (nothing otherwise)."""
+    if not (training_data or training_command):
+        return []
+    section = ["## Training"]
+    if training_data:
+        items = [training_data] if isinstance(training_data, str) else list(training_data)
+        section.append("Data:\n" + "\n".join(f"- {item}" for item in items))
+    if training_command:
+        section.append(f"Command:\n\n```bash\n{training_command}\n```")
+    return section
+
+
+def _measurement_sections(config, tau, speed, machine: str | None) -> list[str]:
+    """The acceptance and speed tables and where they were measured, each only when given."""
+    sections = []
     if tau:
         sections += [
             "## Acceptance",
             f"τ is the mean accepted length per block including the bonus token, out of {config.block_size}; "
-            f"acceptance lists P(draft k accepted | drafts before it accepted) for k = 1..{n}.",
+            f"acceptance lists P(draft k accepted | drafts before it accepted) for k = 1..{config.num_draft_tokens}.",
             markdown_table(tau, "Setting"),
         ]
     if speed:
         sections += ["## Speed", markdown_table(speed, "Setting")]
     if machine:
         sections += ["## Machine", machine]
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
+    return sections
 
 
 def push_drafter_to_hub(

@@ -156,3 +156,23 @@ def test_eval_and_bench_take_the_target_the_drafter_records(tiny_dir, prompts, t
     drafter.save_pretrained(tmp_path / "anonymous")
     assert cli.main(["eval", "--model", str(tmp_path / "anonymous"), "--num-prompts", "1"]) == 1
     assert "does not record its target (no verifier_name_or_path in config.json); pass --target" in capsys.readouterr().err
+
+
+def test_a_relative_target_directory_is_recorded_absolute(tiny_dir, tmp_path, monkeypatch):
+    """`train --target ../model` records where the target is, so `eval`/`bench`/`calibrate` without --target find it
+    from any directory; the `smollm2` alias keeps its Hub name."""
+    from dspark_hf.data import load_target, load_target_heads, load_target_model, resolve_target
+    from dspark_hf.training.build import drafter_config_from_target
+
+    monkeypatch.chdir(tiny_dir.parent)
+    relative = tiny_dir.name
+    heads = load_target_heads(relative)  # what `train --target` binds the drafter from
+    assert heads.name_or_path == str(tiny_dir)
+    assert load_target_model(relative).name_or_path == str(tiny_dir)
+    assert load_target(f"./{relative}/")[0].name_or_path == str(tiny_dir)  # what online training and `cache` load
+    config = drafter_config_from_target(heads, [1], mask_token_id=3)
+    config.save_pretrained(tmp_path / "drafter")
+    monkeypatch.chdir(tmp_path)
+    recorded = resolve_target(None, tmp_path / "drafter")
+    assert recorded == str(tiny_dir) and load_target_model(recorded).config.num_hidden_layers == 2
+    assert load_target_heads("smollm2").name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -9,6 +9,7 @@ test_training.py so that there is something to learn.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -127,6 +128,26 @@ def test_online_training_resumes_bit_identically(world, tmp_path):
     for key in opt_a:
         assert torch.equal(opt_a[key]["exp_avg"], opt_b[key]["exp_avg"])
         assert torch.equal(opt_a[key]["exp_avg_sq"], opt_b[key]["exp_avg_sq"])
+
+
+def test_non_finite_target_states_are_named_as_training_samples(world, tmp_path):
+    """Online there is no cache to blame: the error names the training samples and points at the target."""
+    from transformers import AutoModelForCausalLM
+
+    from dspark_hf.training.trainer import TrainingDivergedError
+
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(world["target"], poisoned)
+    target = AutoModelForCausalLM.from_pretrained(poisoned)
+    with torch.no_grad():
+        target.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")  # output of layer 2 = aux id 2
+    target.save_pretrained(poisoned)
+    args = make_args({**world, "target": str(poisoned)}, tmp_path / "out", online=True, max_steps=1, limit=4)
+    with pytest.raises(TrainingDivergedError) as error:
+        train(args)
+    message = str(error.value)
+    assert "non-finite (NaN/inf) hidden states in training samples [" in message and "captured online" in message
+    assert "cache" not in message and "--target-dtype float32" in message
 
 
 @pytest.mark.parametrize("flags, message", [

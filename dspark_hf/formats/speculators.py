@@ -48,16 +48,7 @@ def read_speculators(directory: str | Path) -> DraftCheckpoint:
     directory = Path(directory)
     what = "speculators checkpoint"
     raw = read_json(directory / "config.json", what)
-    algorithm = raw.get("speculators_model_type") or (raw.get("speculators_config") or {}).get("algorithm")
-    if algorithm not in ("dspark", "dflash"):
-        raise ValueError(
-            f"{what}: speculators_model_type={algorithm!r}; only 'dspark' and 'dflash' drafters can be converted."
-        )
-    if raw.get("projector_type", "dflash") != "dflash" or raw.get("shift_label"):
-        raise ValueError(
-            f"{what}: projector_type={raw.get('projector_type')!r}/shift_label={raw.get('shift_label')} is a Domino "
-            "variant with a correction head; only plain DFlash/DSpark drafters can be converted."
-        )
+    algorithm = _convertible_algorithm(raw, what)
     layer = _full_layer_config(raw.get("transformer_layer_config") or {}, what)
     reject_sliding_layers(layer, what)
 
@@ -84,7 +75,29 @@ def read_speculators(directory: str | Path) -> DraftCheckpoint:
     )
     if algorithm == "dflash" and (config.markov_rank or config.enable_confidence_head):
         raise ValueError(f"{what}: a 'dflash' checkpoint carries Markov/confidence head tensors; label it 'dspark'.")
-    conversion = {
+    conversion = _conversion_record(raw, algorithm, config, sample_default, prefix, dropped)
+    check_tensors(tensors, config, what)
+    return DraftCheckpoint(config, tensors, conversion)
+
+
+def _convertible_algorithm(raw: dict[str, Any], what: str) -> str:
+    """`dspark` or `dflash`, refusing other speculators algorithms and the Domino variants with a correction head."""
+    algorithm = raw.get("speculators_model_type") or (raw.get("speculators_config") or {}).get("algorithm")
+    if algorithm not in ("dspark", "dflash"):
+        raise ValueError(
+            f"{what}: speculators_model_type={algorithm!r}; only 'dspark' and 'dflash' drafters can be converted."
+        )
+    if raw.get("projector_type", "dflash") != "dflash" or raw.get("shift_label"):
+        raise ValueError(
+            f"{what}: projector_type={raw.get('projector_type')!r}/shift_label={raw.get('shift_label')} is a Domino "
+            "variant with a correction head; only plain DFlash/DSpark drafters can be converted."
+        )
+    return algorithm
+
+
+def _conversion_record(raw: dict[str, Any], algorithm: str, config, sample_default: bool, prefix, dropped) -> dict:
+    """What the conversion kept, derived and dropped (`conversion.json` next to the converted checkpoint)."""
+    return {
         "source_format": f"speculators-{algorithm}",
         "layer_ids": {
             "source_field": "aux_hidden_state_layer_ids",
@@ -93,18 +106,16 @@ def read_speculators(directory: str | Path) -> DraftCheckpoint:
             "aux_hidden_state_layer_ids": config.aux_hidden_state_layer_ids,
         },
         "sample_from_anchor": {
-            "value": sample_from_anchor,
+            "value": config.sample_from_anchor,
             "rule": "from config.json" if "sample_from_anchor" in raw
             else f"absent: speculators default for {algorithm} ({sample_default})",
         },
         "heads": {"markov_rank": config.markov_rank, "enable_confidence_head": config.enable_confidence_head},
-        "bind_target_embeddings": bind,
+        "bind_target_embeddings": config.bind_target_embeddings,
         "dropped_tensors": dropped,
         "dropped_config_keys": sorted(_SPECULATORS_TRAINING_KEYS & set(raw)),
         "stripped_prefix": prefix,
     }
-    check_tensors(tensors, config, what)
-    return DraftCheckpoint(config, tensors, conversion)
 
 
 def _speculators_tensors(directory: Path, draft_vocab_size: int, vocab_size: int, what: str):

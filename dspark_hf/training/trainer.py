@@ -375,16 +375,20 @@ class TrainingLoop:
         flags = torch.tensor([float(_bad_input(batch)), float(not torch.isfinite(result.loss))], device=self.accelerator.device)
         flags = self.reduce(flags)
         if flags[0] > 0:
-            raise self.diverged(f"non-finite (NaN/inf) hidden states in cache samples {batch['index'].tolist()}")
+            samples = batch["index"].tolist()
+            where = f"training samples {samples}, captured online from the target" if self.args.online else f"cache samples {samples}"
+            raise self.diverged(f"non-finite (NaN/inf) hidden states in {where}")
         if flags[1] > 0:
             raise self.diverged(f"the loss became non-finite (ce={float(result.ce):.4g}, tv={float(result.tv):.4g}, bce={float(result.bce):.4g})")
 
     def diverged(self, reason: str) -> TrainingDivergedError:
         where = f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint had been written yet"
         self.accelerator.end_training()
+        check = ("run the target in float32 with --target-dtype float32" if self.args.online
+                 else "check the cache with `HiddenStateCache(path, verify=True)`")
         return TrainingDivergedError(
-            f"{reason} at step {self.state.step + 1}; training stopped and {where}. Lower --learning-rate (or check the "
-            "cache with `HiddenStateCache(path, verify=True)`) and continue with --resume."
+            f"{reason} at step {self.state.step + 1}; training stopped and {where}. Lower --learning-rate (or {check}) "
+            "and continue with --resume."
         )
 
 
