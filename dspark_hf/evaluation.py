@@ -218,12 +218,12 @@ def plot_acceptance(path: str | os.PathLike, curves: dict[str, dict[str, list]],
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, kind in zip(axes, ("conditional", "cumulative")):
         for label, curve in curves.items():
-            values, counts = curve.get(kind), curve.get(f"{kind}_n")
-            if not values:
+            values, counts = curve.get(kind), curve.get(f"{kind}_n") or [None] * len(curve.get(kind) or [])
+            points = [(k, v, n) for k, (v, n) in enumerate(zip(values or [], counts), 1) if n != 0]  # no block: no point
+            if not points:
                 continue
-            ks = list(range(1, len(values) + 1))
-            line, = ax.plot(ks, values, label=label, lw=1.2)
-            for k, v, n in zip(ks, values, counts or [None] * len(values)):
+            line, = ax.plot([k for k, _, _ in points], [v for _, v, _ in points], label=label, lw=1.2)
+            for k, v, n in points:
                 solid = n is None or n >= FEW_BLOCKS
                 ax.plot([k], [v], marker="o", ms=5, color=line.get_color(), mfc=line.get_color() if solid else "white")
                 if n is not None:
