@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -21,19 +20,16 @@ from pathlib import Path
 import torch
 
 from dspark_hf.assets import load_smollm2
-from dspark_hf.cache import CACHE_DTYPES, DTYPES, HiddenStateCache, build_cache, default_aux_layer_ids
+from dspark_hf.cache import (
+    CACHE_DTYPES,
+    DTYPES,
+    HiddenStateCache,
+    build_cache,
+    default_aux_layer_ids,
+)
 from dspark_hf.corpora import chitchat_conversations
 from dspark_hf.data import split_conversations, tokenize_conversations
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from dspark_hf.reporting import machine_description
 
 
 @torch.inference_mode()
@@ -102,7 +98,7 @@ def main() -> None:
                 HiddenStateCache(out, verify=True)
     d, m = model.config.hidden_size, len(aux)
     floor = (m + 1) * d * 2
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"machine: {machine_description()}")
     print(f"target: SmolLM2-135M-Instruct ({args.target_dtype}), aux layers {aux}, d={d}")
     print(f"data: {len(samples)} chitchat conversations (≤{args.max_turns} user turns), {tokens} tokens, batch {args.batch_size}")
     print(f"bare forward (full logits)      {min(bare_full):7.3f} s  {tokens / min(bare_full):8.0f} tok/s")

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import io
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -27,18 +26,9 @@ from dspark_hf.assets import load_smollm2
 from dspark_hf.cache import HiddenStateCache, build_cache, default_aux_layer_ids
 from dspark_hf.corpora import chitchat_conversations
 from dspark_hf.data import split_conversations, write_jsonl
+from dspark_hf.reporting import machine_description
 from dspark_hf.training.trainer import TrainingArguments, train
 from dspark_hf.vocab import build_draft_vocab, count_assistant_tokens, save_draft_vocab
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def first_turns(conversations: list[dict], count: int, max_turns: int) -> list[dict]:
@@ -100,7 +90,7 @@ def main() -> None:
         online = epoch_cost(root, "online", steps, online=True, dataset=str(root / "chats.jsonl"),
                             max_length=args.max_length, target_dtype=args.target_dtype, online_dtype="bfloat16", **common)
 
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    print(f"machine: {machine_description()}")
     print(f"target: SmolLM2-135M-Instruct ({args.target_dtype}), aux layers {aux}, states in bfloat16; "
           f"drafter: 1 layer, draft vocab {args.draft_vocab_size}, batch {args.batch_size}, 16 anchors/sample")
     print(f"data: {len(convs)} chitchat conversations (≤{args.max_turns} user turns), {tokens} tokens, one epoch = {steps} steps")

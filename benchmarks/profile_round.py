@@ -29,7 +29,8 @@ from collections import defaultdict
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from dspark_hf.evaluation import encode_prompt, held_out_prompts, load_drafter, machine_description
+from dspark_hf.evaluation import encode_prompt, held_out_prompts, load_drafter
+from dspark_hf.reporting import machine_description
 from dspark_hf.remote_code import modeling_dspark
 
 STAGES = ["verify", "hand-off", "context", "parallel", "markov", "transformers"]

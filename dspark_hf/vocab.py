@@ -11,7 +11,6 @@ import argparse
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from safetensors.torch import load_file, save_file
