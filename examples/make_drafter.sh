@@ -43,17 +43,30 @@ regen() {  # corpus split limit max-turns temperature max-new-tokens
     --max-turns "$4" --temperature "$5" --max-new-tokens "$6" --seed 0 --output "$WORK/data/$1-$2.jsonl"
 }
 # Each domain is filled in passes (a quarter, a half, then all of its share), so a run stopped at any point leaves
-# balanced data; a rerun skips the conversations already written.
+# balanced data; a rerun skips the conversations already written. The greedy and the sampled corpora regenerate side
+# by side, one core each (logs in $WORK/regen-*.log).
 share() { echo $(( ($1 * SIZE / 100 + $2 - 1) / $2 )); }  # $1 prompts at SIZE percent, pass 1/$2
-for pass in 4 2 1; do
-  regen chitchat train "$(share 1200 $pass)" 2 0 128
-  regen wordnet-nouns train "$(share 2400 $pass)" 1 0 128
-  regen stdlib-explain train "$(share 1000 $pass)" 1 0 160
-  regen chatterbot train "$(share 1900 $pass)" 1 0.8 128
-  regen wordnet-verbs train "$(share 2000 $pass)" 1 0.8 128
-  regen stdlib-write train "$(share 800 $pass)" 1 0.8 160
-  regen chitchat-long train "$(share 240 $pass)" 6 0.8 128
-done
+regen_greedy() {
+  for pass in 4 2 1; do
+    regen chitchat train "$(share 1200 $pass)" 2 0 128
+    regen wordnet-nouns train "$(share 2400 $pass)" 1 0 128
+    regen stdlib-explain train "$(share 1000 $pass)" 1 0 160
+  done
+}
+regen_sampled() {
+  for pass in 4 2 1; do
+    regen chatterbot train "$(share 1900 $pass)" 1 0.8 128
+    regen wordnet-verbs train "$(share 2000 $pass)" 1 0.8 128
+    regen stdlib-write train "$(share 800 $pass)" 1 0.8 160
+    regen chitchat-long train "$(share 240 $pass)" 6 0.8 128
+  done
+}
+regen_greedy > "$WORK/regen-greedy.log" 2>&1 &
+greedy_job=$!
+regen_sampled > "$WORK/regen-sampled.log" 2>&1 &
+sampled_job=$!
+wait "$greedy_job"  # set -e: a failed regeneration stops the script here
+wait "$sampled_job"
 for corpus in chitchat wordnet-nouns stdlib-explain chatterbot wordnet-verbs stdlib-write chitchat-long; do
   turns=1; [ "$corpus" = chitchat ] && turns=2; [ "$corpus" = chitchat-long ] && turns=6
   regen "$corpus" validation "$VALIDATION" "$turns" 0 128
