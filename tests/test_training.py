@@ -197,27 +197,10 @@ def test_two_process_cpu_ddp_matches_single_process(tmp_path):
 
 def test_warm_start_from_zlab_dflash_checkpoint_adds_heads(tmp_path):
     """A z-lab DFlash directory (Qwen3 fields top-level, `dflash_config`, no embed/head, no heads) warm-starts a DSpark."""
-    import json
-
     from dspark_hf.training.build import build_drafter
 
     world = tiny_world()
-    plain = build_drafter(tiny_args(tmp_path, drafter_config={**DRAFTER, "markov_rank": 0, "enable_confidence_head": False},
-                                    draft_vocab=None), AUX)
-    source = tmp_path / "dflash"
-    source.mkdir()
-    from safetensors.torch import save_file
-
-    layers = {k: v.contiguous() for k, v in plain.state_dict().items() if k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))}
-    save_file(layers, str(source / "model.safetensors"))
-    c = plain.config
-    (source / "config.json").write_text(json.dumps({
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size, "block_size": 4,
-        "rope_theta": c.rope_theta, "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0, 1, 2]},
-    }))
+    source, layers = _zlab_dflash_checkpoint(tmp_path, block_size=4)
     drafter = build_drafter(tiny_args(tmp_path, init_from=str(source), drafter_config={"markov_rank": 8}), AUX)
     assert drafter.config.aux_hidden_state_layer_ids == AUX and drafter.config.draft_vocab_size == 512
     assert drafter.markov_head is not None and drafter.markov_head.markov_rank == 8 and drafter.confidence_head is not None
@@ -244,11 +227,25 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
 def test_warm_start_from_zlab_maps_the_config_like_convert(tmp_path):
     """Issue 10.6: `train --init-from` a z-lab DFlash directory whose block size sits in `dflash_config` (16) gets the
     same config as `dspark-hf convert --from zlab-dflash`, not the trainer's own default block of 8."""
+    from dspark_hf.formats.convert import convert
+    from dspark_hf.training.build import build_drafter
+
+    source, _ = _zlab_dflash_checkpoint(tmp_path, rope_theta=10000.0, dflash_block_size=16)
+    converted = DSparkConfig.from_pretrained(convert(source, tmp_path / "converted", "zlab-dflash"))
+    warm = build_drafter(tiny_args(tmp_path, init_from=str(source), drafter_config={}, draft_vocab=None), AUX).config
+    assert converted.block_size == 16
+    for key in ("block_size", "sample_from_anchor", "aux_hidden_state_layer_ids", "mask_token_id", "rope_parameters"):
+        assert getattr(warm, key) == getattr(converted, key), key
+
+
+def _zlab_dflash_checkpoint(tmp_path: Path, rope_theta: float | None = None, block_size: int | None = None,
+                            dflash_block_size: int | None = None) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A z-lab DFlash directory (Qwen3 fields top-level, `dflash_config`, layer tensors only) of a tiny trained-shape
+    drafter; block size at the top level and/or inside `dflash_config`. Returns it and its tensors."""
     import json
 
     from safetensors.torch import save_file
 
-    from dspark_hf.formats.convert import convert
     from dspark_hf.training.build import build_drafter
 
     plain = build_drafter(tiny_args(tmp_path, drafter_config={**DRAFTER, "markov_rank": 0, "enable_confidence_head": False},
@@ -258,18 +255,20 @@ def test_warm_start_from_zlab_maps_the_config_like_convert(tmp_path):
     layers = {k: v.contiguous() for k, v in plain.state_dict().items() if k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))}
     save_file(layers, str(source / "model.safetensors"))
     c = plain.config
-    (source / "config.json").write_text(json.dumps({
+    dflash = {"mask_token_id": 0, "target_layer_ids": [0, 1, 2]}
+    if dflash_block_size is not None:
+        dflash["block_size"] = dflash_block_size
+    config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
         "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size,
-        "rope_theta": 10000.0, "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0, 1, 2], "block_size": 16},
-    }))
-    converted = DSparkConfig.from_pretrained(convert(source, tmp_path / "converted", "zlab-dflash"))
-    warm = build_drafter(tiny_args(tmp_path, init_from=str(source), drafter_config={}, draft_vocab=None), AUX).config
-    assert converted.block_size == 16
-    for key in ("block_size", "sample_from_anchor", "aux_hidden_state_layer_ids", "mask_token_id", "rope_parameters"):
-        assert getattr(warm, key) == getattr(converted, key), key
+        "rope_theta": c.rope_theta if rope_theta is None else rope_theta, "dflash_config": dflash,
+    }
+    if block_size is not None:
+        config["block_size"] = block_size
+    (source / "config.json").write_text(json.dumps(config))
+    return source, layers
 
 
 def _flip_byte_in(shard: Path, tensor: str, byte: int) -> None:
