@@ -1251,19 +1251,19 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
             self.verify_scale * self.profile.verify_time(k, self.context_length) + (draft if k else 0.0)
             for k in range(self.max_drafts + 1)
         ]
-        self._drafted, self._survival, self._expected = 0, 1.0, 1.0
+        self._drafted, self.survival, self._expected = 0, 1.0, 1.0
 
     def admit(self, confidence: float) -> bool:
         n = self._drafted + 1
         if n > self.max_drafts:
             return False
-        survival = self._survival * confidence
+        survival = self.survival * confidence
         if self.profile.noisy:
             admitted = survival >= self.fallback_threshold
         else:
             admitted = self._best_ratio_from(n, survival, confidence) > self._expected / self._costs[n - 1]
         if admitted:
-            self._drafted, self._survival, self._expected = n, survival, self._expected + survival
+            self._drafted, self.survival, self._expected = n, survival, self._expected + survival
         return admitted
 
     def _best_ratio_from(self, n: int, survival: float, confidence: float) -> float:
