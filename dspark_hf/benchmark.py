@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from . import DSparkContextCache
-from .data import load_conversations, load_target, resolve_target, split_conversations
-from .evaluation import (drafter_name, encode_prompt, live_acceptance, load_drafter, merge_generation_stats,
+from .data import load_target, resolve_target
+from .evaluation import (domain_prompts, drafter_name, encode_prompt, live_acceptance, load_drafter, merge_generation_stats,
                          plot_domain_acceptance, timed_generate)
 from .reporting import emit_report, machine_description, set_threads
 
@@ -124,36 +124,6 @@ def fixed_length(drafter):
     for knob in ("dspark_confidence_threshold", "dspark_verify_cost", "dspark_schedule"):
         setattr(drafter.generation_config, knob, None)
     return drafter
-
-
-def domain_prompts(spec: str, split: str, limit: int) -> list[list[dict]]:
-    """Prompts of one domain, `SOURCE[:SPLIT[:TURNS]]`: the first `limit` conversations of SPLIT (default `split`;
-    `all` for a corpus never trained on, such as humaneval). TURNS > 1 keeps the conversation up to its TURNS-th
-    user turn, earlier replies included, so long multi-turn contexts are measured as users send them."""
-    source, _, rest = spec.partition(":")
-    chosen_split, _, turns = rest.partition(":")
-    chosen_split, turns = chosen_split or split, int(turns or 1)
-    conversations = load_conversations(source)
-    if chosen_split != "all":
-        conversations = split_conversations(conversations)[chosen_split]
-    prompts = []
-    for conv in conversations:
-        history, users = [], 0
-        for message in conv["messages"]:
-            if message["role"] == "user" and message["content"].strip():
-                users += 1
-                history.append({"role": "user", "content": message["content"].strip()})
-                if users == turns:
-                    break
-            elif history and message["role"] == "assistant":
-                history.append({"role": "assistant", "content": message["content"].strip()})
-        if users == turns:
-            prompts.append(history)
-        if len(prompts) == limit:
-            break
-    if not prompts:
-        raise ValueError(f"no prompts with {turns} user turn(s) in the {chosen_split!r} split of {source}; pass another --prompts source.")
-    return prompts
 
 
 def run_methods(target, encoded, methods, models, args, do_sample: bool) -> dict[str, dict[str, Any]]:
@@ -312,4 +282,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["ALL_METHODS", "benchmark", "domain_prompts", "drafter_overhead", "format_report", "summary_table", "truncated_assistant"]
+__all__ = ["ALL_METHODS", "benchmark", "drafter_overhead", "format_report", "summary_table", "truncated_assistant"]

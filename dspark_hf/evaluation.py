@@ -40,19 +40,48 @@ DEFAULT_PROMPT_SOURCES = ("chitchat",)
 
 
 # ---------------------------------------------------------------------------------------------------- prompts
+def conversation_prompts(source, split: str, limit: int, turns: int = 1) -> list[list[dict]]:
+    """The first `limit` conversations of `split` (hash split by conversation id; `all` for a corpus never trained
+    on) of `source`, each up to its `turns`-th user turn with the replies between (one user message when turns = 1);
+    conversations with fewer user turns are skipped."""
+    conversations = load_conversations(source)
+    if split != "all":
+        conversations = split_conversations(conversations)[split]
+    prompts = []
+    for conv in conversations:
+        history, users = [], 0
+        for message in conv["messages"]:
+            if message["role"] == "user" and message["content"].strip():
+                users += 1
+                history.append({"role": "user", "content": message["content"].strip()})
+                if users == turns:
+                    break
+            elif history and message["role"] == "assistant":
+                history.append({"role": "assistant", "content": message["content"].strip()})
+        if users == turns:
+            prompts.append(history)
+        if len(prompts) == limit:
+            break
+    return prompts
+
+
+def domain_prompts(spec: str, split: str, limit: int) -> list[list[dict]]:
+    """Prompts of one bench domain, `SOURCE[:SPLIT[:TURNS]]`: SPLIT overrides `split`; TURNS > 1 keeps the
+    conversation up to its TURNS-th user turn, earlier replies included, so long multi-turn contexts are measured as
+    users send them."""
+    source, _, rest = spec.partition(":")
+    chosen_split, _, turns = rest.partition(":")
+    chosen_split, turns = chosen_split or split, int(turns or 1)
+    prompts = conversation_prompts(source, chosen_split, limit, turns)
+    if not prompts:
+        raise ValueError(f"no prompts with {turns} user turn(s) in the {chosen_split!r} split of {source}; pass another --prompts source.")
+    return prompts
+
+
 def held_out_prompts(sources=DEFAULT_PROMPT_SOURCES, split: str = "test", limit: int = 8) -> list[list[dict]]:
     """First user turn of the first `limit` conversations of `split` (hash split by conversation id, never trained
     on), interleaving the given sources. Each prompt is a one-message chat."""
-    per_source = []
-    for source in sources:
-        conversations = load_conversations(source)
-        chosen = conversations if split == "all" else split_conversations(conversations)[split]
-        prompts = []
-        for conv in chosen:
-            user = next((m for m in conv["messages"] if m["role"] == "user" and m["content"].strip()), None)
-            if user is not None:
-                prompts.append([{"role": "user", "content": user["content"].strip()}])
-        per_source.append(prompts)
+    per_source = [conversation_prompts(source, split, limit) for source in sources]
     out: list[list[dict]] = []
     for i in range(max((len(p) for p in per_source), default=0)):
         for prompts in per_source:
@@ -419,6 +448,8 @@ def run(args: argparse.Namespace) -> int:
 __all__ = [
     "calibration_metrics",
     "evaluate",
+    "conversation_prompts",
+    "domain_prompts",
     "held_out_prompts",
     "offline_acceptance",
     "offline_metrics",

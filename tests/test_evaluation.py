@@ -151,7 +151,7 @@ def test_eval_and_bench_commands_run_on_a_tiny_model(tiny, tmp_path, capsys):
 
 
 def test_bench_domains_keep_history_when_asked(tmp_path):
-    from dspark_hf.benchmark import domain_prompts
+    from dspark_hf.evaluation import domain_prompts
     from dspark_hf.data import write_jsonl
 
     turns = [{"role": r, "content": f"{r} {i}"} for i in range(4) for r in ("user", "assistant")]
