@@ -52,6 +52,7 @@ def build_model_card(
     speed: Mapping[str, Mapping[str, Any]] | None = None,
     machine: str | None = None,
     description: str | None = None,
+    more_sections: Sequence[str] = (),
 ) -> ModelCard:
     """A model card for a drafter with `config` (a `DSparkConfig`).
 
@@ -61,6 +62,7 @@ def build_model_card(
         tau: rows of the acceptance table, e.g. `{"gsm8k (offline)": {"τ": 3.97, "acceptance": [0.82, ...]}}`.
         speed: rows of the speed table, e.g. `{"greedy": {"tokens/s": 41.2, "speedup": 2.6}}`.
         machine: where `tau`/`speed` were measured.
+        more_sections: Markdown sections appended at the end (e.g. how the drafter's size was chosen).
     """
     target = target or config.verifier_name_or_path
     data = ModelCardData(library_name="transformers", tags=list(CARD_TAGS), base_model=target)
@@ -75,6 +77,7 @@ def build_model_card(
         *_usage_section(target, repo_id, config.num_draft_tokens),
         *_training_section(training_data, training_command),
         *_measurement_sections(config, tau, speed, machine),
+        *more_sections,
     ]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
 

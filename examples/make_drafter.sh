@@ -3,7 +3,8 @@
 #
 #   regenerate (SmolLM2 answers prompts of four domains, half greedy, half sampled at T = 0.8; train split only)
 #   -> cache (teacher-forced hidden states: training cache, and a multi-domain validation cache kept apart)
-#   -> vocab (draft vocabulary) -> train DSpark and the DFlash-only baseline (heads off, same budget)
+#   -> vocab (draft vocabulary) -> size (candidate sizes trained briefly, the fastest per domain by measurement)
+#   -> train DSpark and the DFlash-only baseline of that size (heads off, same budget)
 #   -> calibrate (Sequential Temperature Scaling on the validation cache) -> export bf16
 #   -> eval, bench per domain (HumanEval is held out of training entirely) -> model card
 #
@@ -16,7 +17,8 @@
 # MAX_STEPS_PER_RUN to time-box a run), so rerunning the script continues the work.
 # Sized for 2 CPU cores: about 2.5 hours on an idle machine; THREADS per job, STEPS and SIZE (percent of each domain's
 # prompts) trade quality for time; BENCH_PROMPTS / BENCH_REPS size the final benchmark. A smoke run of the whole
-# pipeline: WORK=/tmp/d OUT_DSPARK=/tmp/d/dspark OUT_DFLASH=/tmp/d/dflash SIZE=1 VALIDATION=2 STEPS=10 BENCH_PROMPTS=1 BENCH_REPS=1
+# pipeline: WORK=/tmp/d OUT_DSPARK=/tmp/d/dspark OUT_DFLASH=/tmp/d/dflash SIZE=1 VALIDATION=2 STEPS=10 SIZING_PROMPTS=1
+# BENCH_PROMPTS=1 BENCH_REPS=1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,7 +29,7 @@ OUT_DSPARK=${OUT_DSPARK:-examples/smollm2-dspark}
 OUT_DFLASH=${OUT_DFLASH:-examples/smollm2-dflash}
 THREADS=${THREADS:-1}                 # 1 thread per job beats 2 oversubscribed ones on a shared 2-core box
 STEPS=${STEPS:-2000}
-SIZE=${SIZE:-100}                      # percent of each domain's prompts below
+SIZE=${SIZE:-75}                       # percent of each domain's prompts below (75: ~0.9M assistant tokens)
 VALIDATION=${VALIDATION:-16}           # validation conversations per corpus (calibration and offline eval)
 BENCH_PROMPTS=${BENCH_PROMPTS:-4}; BENCH_REPS=${BENCH_REPS:-2}
 AUX=2,15,28                            # speculators convention (HF hidden_states index) of SmolLM2's 30 layers
@@ -75,18 +77,21 @@ cat "$WORK"/data/*-train.jsonl > "$WORK/data/train.jsonl"
 cat "$WORK"/data/*-validation.jsonl > "$WORK/data/validation.jsonl"
 
 stage "2/8 cache: teacher-forced target hidden states (aux layers $AUX, bf16 storage)"
-CACHE="$CLI cache --target smollm2 --aux-layers $AUX --split all --max-length 1024 --batch-size 8 --target-dtype bfloat16"
-$CACHE --dataset "$WORK/data/train.jsonl" --output "$WORK/cache-train"
-$CACHE --dataset "$WORK/data/validation.jsonl" --output "$WORK/cache-validation"
+# Two processes, one core each (`accelerate launch` gives shard k to process k % 2; one manifest, resumable per shard).
+LAUNCH=(env ACCELERATE_USE_CPU=1 $PY -m accelerate.commands.launch --multi_gpu --num_processes 2 --num_machines 1
+  --mixed_precision no --dynamo_backend no --main_process_port "${PORT:-29533}" -m dspark_hf.cli)
+CACHE=(cache --target smollm2 --aux-layers $AUX --split all --max-length 1024 --batch-size 8 --target-dtype bfloat16)
+"${LAUNCH[@]}" "${CACHE[@]}" --dataset "$WORK/data/train.jsonl" --output "$WORK/cache-train"
+"${LAUNCH[@]}" "${CACHE[@]}" --dataset "$WORK/data/validation.jsonl" --output "$WORK/cache-validation"
 
 stage "3/8 vocab: top-16384 assistant tokens"
 [ -f "$WORK/draft_vocab.safetensors" ] || $CLI vocab --cache "$WORK/cache-train" --draft-vocab-size 16384 --output "$WORK/draft_vocab.safetensors"
 
 # One budget for both drafters: same data, layers, steps, batch, anchors, learning rate.
 TRAIN_COMMON=(--train-cache "$WORK/cache-train" --eval-cache "$WORK/cache-validation" --target smollm2
-  --draft-vocab "$WORK/draft_vocab.safetensors" --mask-token-id $MASK --num-draft-layers 1 --block-size 8
+  --draft-vocab "$WORK/draft_vocab.safetensors" --mask-token-id $MASK
   --max-steps "$STEPS" --batch-size 4 --max-anchors 32 --learning-rate 1e-3 --warmup-steps 60
-  --mixed-precision no --eval-steps 0 --save-steps 100 --logging-steps 50 --report-to tensorboard --no-progress)
+  --mixed-precision bf16 --eval-steps 0 --save-steps 100 --logging-steps 50 --report-to tensorboard --no-progress)
 [ -n "${MAX_STEPS_PER_RUN:-}" ] && TRAIN_COMMON+=(--max-steps-per-run "$MAX_STEPS_PER_RUN")
 train() {  # $1 = output dir, rest = head options
   local out=$1; shift
@@ -95,13 +100,47 @@ train() {  # $1 = output dir, rest = head options
   [ -d "$out/checkpoints" ] && [ -n "$(ls -A "$out/checkpoints" 2>/dev/null)" ] && resume=(--resume)
   $CLI train "${TRAIN_COMMON[@]}" --output-dir "$out" "${resume[@]}" "$@"
 }
-stage "4-5/8 train DSpark (1 layer, Markov rank 64 vanilla, confidence head) and the DFlash-only baseline (heads off),
-$STEPS steps each, side by side (one core each; logs in $WORK/train-*.log)"
-train "$WORK/train-dspark" --markov-rank 64 --markov-head-type vanilla \
-  --drafter-config intermediate_size=1024 > "$WORK/train-dspark.log" 2>&1 &
+# Sizing by measurement: each candidate (layers, FFN width, Markov rank, block size) trains SIZING_STEPS steps with the
+# same budget otherwise, then `dspark-hf bench` measures its speed-up over plain generate per domain on validation
+# prompts (never the test prompts of the final table; HumanEval stays unseen), greedy and T = 1, fixed-length blocks.
+# examples/pick_size.py picks the highest geometric-mean speed-up and writes the numbers to $WORK/sizing.json.
+declare -A CANDIDATES=(
+  [l1-ffn1024-r64-b8]="--num-draft-layers 1 --block-size 8 --markov-rank 64 --drafter-config intermediate_size=1024"
+  [l1-ffn1024-r64-b16]="--num-draft-layers 1 --block-size 16 --markov-rank 64 --drafter-config intermediate_size=1024"
+  [l2-ffn1024-r64-b8]="--num-draft-layers 2 --block-size 8 --markov-rank 64 --drafter-config intermediate_size=1024"
+  [l1-ffn2048-r128-b8]="--num-draft-layers 1 --block-size 8 --markov-rank 128 --drafter-config intermediate_size=2048"
+)
+names=(l1-ffn1024-r64-b8 l1-ffn1024-r64-b16 l2-ffn1024-r64-b8 l1-ffn2048-r128-b8)  # the order they train in
+SIZING_STEPS=${SIZING_STEPS:-$(( STEPS * 3 / 20 ))}  # 300 of 2000
+SIZING_BENCH=(--prompts chitchat wordnet-nouns stdlib-explain chitchat-long:validation:6 --split validation
+  --methods plain dspark-fixed --num-prompts "${SIZING_PROMPTS:-3}" --max-new-tokens 64 --repetitions 1 --dtype bfloat16
+  --threads "$THREADS")
+stage "4/8 size: ${#CANDIDATES[@]} candidates, $SIZING_STEPS steps each, two side by side, then benched one at a time"
+running=0  # a pool of two trainings, one core each
+for name in "${names[@]}"; do
+  if (( running == 2 )); then wait -n; running=$(( running - 1 )); fi  # set -e: a failed training stops here
+  # shellcheck disable=SC2086  # the candidate's flags split into words on purpose
+  train "$WORK/size-$name" --markov-head-type vanilla ${CANDIDATES[$name]} --max-steps "$SIZING_STEPS" \
+    > "$WORK/size-$name.log" 2>&1 &
+  running=$(( running + 1 ))
+done
+while (( running > 0 )); do wait -n; running=$(( running - 1 )); done
+for name in "${names[@]}"; do
+  [ -d "$WORK/size-$name/drafter" ] || { stage "sizing stopped after MAX_STEPS_PER_RUN steps; rerun \`make drafter\` to continue"; exit 0; }
+  [ -f "$WORK/size-$name/bench.json" ] || $CLI bench --model "$WORK/size-$name/drafter" "${SIZING_BENCH[@]}" \
+    --json "$WORK/size-$name/bench.json" > "$WORK/size-$name-bench.log" 2>&1
+done
+CHOSEN=$($PY examples/pick_size.py "$WORK" "${names[@]}")
+SIZE_FLAGS=${CANDIDATES[$CHOSEN]}
+echo "chosen size: $CHOSEN ($SIZE_FLAGS)"
+
+stage "5/8 train DSpark ($CHOSEN, vanilla Markov head, confidence head) and the DFlash-only baseline of the same size
+(heads off), $STEPS steps each, side by side (one core each; logs in $WORK/train-*.log)"
+# shellcheck disable=SC2086
+train "$WORK/train-dspark" $SIZE_FLAGS --markov-head-type vanilla > "$WORK/train-dspark.log" 2>&1 &
 dspark_job=$!
-train "$WORK/train-dflash" --markov-rank 0 --no-confidence-head \
-  --drafter-config intermediate_size=1024 > "$WORK/train-dflash.log" 2>&1 &
+# shellcheck disable=SC2086
+train "$WORK/train-dflash" $SIZE_FLAGS --markov-rank 0 --no-confidence-head > "$WORK/train-dflash.log" 2>&1 &
 dflash_job=$!
 wait "$dspark_job"  # set -e: a failed training stops the script here
 wait "$dflash_job"

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from dspark_hf import DSparkConfig
-from dspark_hf.hub import build_model_card
+from dspark_hf.hub import build_model_card, markdown_table
 
 TRAINING_DATA = [
     "SmolLM2-135M-Instruct's own answers (`dspark-hf regenerate`, bf16) to prompts of four domains, train split only "
@@ -52,21 +52,39 @@ def speed_rows(benches: list[dict]) -> dict:
     return rows
 
 
+def sizing_section(work: Path) -> list[str]:
+    """How the size was chosen: every candidate's measured speed-up per domain (examples/pick_size.py)."""
+    path = work / "sizing.json"
+    if not path.exists():
+        return []
+    sizing = json.loads(path.read_text())
+    count = f"{sizing['training_conversations']} " if sizing.get("training_conversations") else ""
+    return ["## How the size was chosen",
+            f"Each candidate (layers, FFN width, Markov rank, block size) trained {sizing['steps']} steps on the same "
+            f"{count}training conversations, "
+            f"then `dspark-hf bench` measured fixed-length blocks against plain generate on {sizing['split']} prompts "
+            f"({sizing['max_new_tokens']} new tokens, {sizing['dtype']}, {sizing['machine']}). The default is the highest "
+            f"geometric-mean speed-up over every domain and mode: **{sizing['chosen']}**.",
+            markdown_table(sizing["candidates"], "candidate")]
+
+
 def main(out: Path, work: Path, dflash: Path, seconds: int, steps: str) -> None:
     evaluation = json.loads((out / "eval.json").read_text())
     baseline = json.loads((work / "eval-dflash.json").read_text())
     benches = [json.loads(p.read_text()) for p in sorted(out.glob("bench-*.json"))]
     tau = {"offline, multi-domain validation (teacher-forced)": offline_row(evaluation),
            f"DFlash-only baseline ({dflash.name}), same data and budget (offline)": offline_row(baseline)}
+    config = DSparkConfig.from_pretrained(out)
     card = build_model_card(
-        DSparkConfig.from_pretrained(out), target="HuggingFaceTB/SmolLM2-135M-Instruct", repo_id="examples/smollm2-dspark",
+        config, target="HuggingFaceTB/SmolLM2-135M-Instruct", repo_id="examples/smollm2-dspark",
         training_data=TRAINING_DATA,
         training_command=f"make drafter   # examples/make_drafter.sh, {steps} steps per drafter; the run that finished "
                          f"it took {seconds // 60} min (stages already done are skipped, so a resumed run reports less)",
         tau=tau, speed=speed_rows(benches),
         machine=f"{evaluation['machine']}; speed rows name their dtype; ratios measured side by side in one run",
-        description="The default drafter of dspark-hf: a 1-layer DSpark drafter for SmolLM2-135M-Instruct trained on 2 "
-                    "CPU cores, drafting with the hardware-aware schedule (`dspark_schedule: \"hardware\"`: each round "
+        more_sections=sizing_section(work),
+        description=f"The default drafter of dspark-hf: a {config.num_hidden_layers}-layer DSpark drafter for "
+                    "SmolLM2-135M-Instruct trained on 2 CPU cores, drafting with the hardware-aware schedule (`dspark_schedule: \"hardware\"`: each round "
                     "verifies the number of drafts that maximises expected tokens per second, none when drafting does "
                     "not pay). The checkpoint omits the frozen `embed_tokens`/`lm_head` (`bind_target_embeddings`); "
                     "they are copied from the target on the first `generate`. Generation with it is lossless.")

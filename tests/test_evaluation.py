@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import importlib.util
+import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -148,6 +150,38 @@ def test_eval_and_bench_commands_run_on_a_tiny_model(tiny, tmp_path, capsys):
     assert len(live["acceptance_conditional_rounds"]) == drafter.num_draft_tokens
     assert live["acceptance_cumulative_rounds"][0] == live["rounds"] - live["drafts_per_round_histogram"][0]
     assert (tmp_path / "bench-plots" / "acceptance.png").stat().st_size > 0
+    _check_sizing_picks_the_fastest(tmp_path, report)
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_sizing_picks_the_fastest(tmp_path, report):
+    """`make drafter`'s sizing stage: examples/pick_size.py reads each candidate's bench and picks the highest
+    geometric-mean speed-up; the model card shows every candidate's numbers."""
+    work = tmp_path / "work"
+    slower = json.loads(json.dumps(report))
+    for result in slower["domains"].values():
+        for methods in result["modes"].values():
+            methods["dspark-fixed"]["speedup_vs_plain"] /= 2
+    for name, bench in (("slow", slower), ("fast", report)):
+        (work / f"size-{name}").mkdir(parents=True)
+        (work / f"size-{name}" / "bench.json").write_text(json.dumps(bench))
+        (work / f"size-{name}" / "training_args.json").write_text(json.dumps({"max_steps": 7}))
+        shutil.copytree(tmp_path / "dspark", work / f"size-{name}" / "drafter")
+    assert _example("pick_size").main(work, ["slow", "fast"]) == "fast"
+    sizing = json.loads((work / "sizing.json").read_text())
+    speedups = [m["dspark-fixed"]["speedup_vs_plain"] for r in report["domains"].values() for m in r["modes"].values()]
+    geomean = math.exp(sum(map(math.log, speedups)) / len(speedups))
+    assert sizing["candidates"]["fast"]["geo-mean × plain"] == pytest.approx(geomean, abs=1e-3)
+    assert sizing["candidates"]["slow"]["geo-mean × plain"] == pytest.approx(geomean / 2, abs=1e-3)
+    assert sizing["candidates"]["fast"]["MB (bf16)"] > 0 and sizing["steps"] == 7
+    section = "\n".join(_example("model_card").sizing_section(work))
+    assert "**fast**" in section and "| slow |" in section and "7 steps" in section
 
 
 def test_bench_domains_keep_history_when_asked(tmp_path):
@@ -175,10 +209,7 @@ def test_truncated_assistant_shares_the_first_layers(tiny):
 
 
 def _demo_module():
-    spec = importlib.util.spec_from_file_location("dspark_demo", ROOT / "examples" / "demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _example("demo")
 
 
 def test_demo_code_path_on_a_tiny_model(tiny):
