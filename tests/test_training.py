@@ -309,6 +309,34 @@ def test_failed_train_leaves_no_training_args(tmp_path):
     assert not (tmp_path / "nan" / "training_args.json").exists()
 
 
+def test_a_second_train_into_the_same_output_dir_is_refused_in_one_line(tmp_path, capsys):
+    """Two runs writing checkpoints into one directory crash each other; the second is refused before it starts, and
+    the lock dies with the process that held it."""
+    from dspark_hf import cli
+
+    out = tmp_path / "run"
+    out.mkdir()
+    hold = (f"import time; from filelock import FileLock; lock = FileLock({str(out / '.train.lock')!r}); "
+            "lock.acquire(); print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        world = tiny_world()
+        argv = ["train", "--train-cache", world["train"], "--target", world["target"], "--draft-vocab", world["vocab"],
+                "--mask-token-id", "0", "--output-dir", str(out), "--max-steps", "2", "--report-to", "none",
+                "--no-progress"]
+        assert cli.main(argv) == 1
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert errors == [f"dspark-hf train: error: another `dspark-hf train` is writing to {out}; wait for it to "
+                          "finish or pick another --output-dir."]
+        assert not (out / "checkpoints").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    result = train(tiny_args(out, max_steps=2, eval_cache=None))  # the holder died: its lock went with it
+    assert result["finished"]
+
+
 def test_train_refuses_a_cache_of_another_model_of_the_same_shape(tmp_path, capsys):
     """Issue 10.9: the manifest's target name and revision are compared with --target."""
     from dspark_hf.cli import main

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
+from filelock import FileLock, Timeout
 from accelerate.utils import ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -214,6 +215,23 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
     staging = path.with_name(f".{path.name}.tmp")
     staging.write_text(json.dumps(payload, indent=2, default=str))
     os.replace(staging, path)
+
+
+def claim_output_dir(accelerator, output_dir: Path) -> FileLock | None:
+    """One `train` per output directory: a second one would interleave checkpoints with the first (and crash it).
+    The main process holds an OS file lock for the whole run; the OS drops it when the process dies, so a killed
+    run never blocks the next."""
+    if not accelerator.is_main_process:
+        return None
+    output_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(output_dir / ".train.lock"), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise ValueError(
+            f"another `dspark-hf train` is writing to {output_dir}; wait for it to finish or pick another --output-dir."
+        ) from None
+    return lock
 
 
 # ----------------------------------------------------------------------------------------------------------- setup
@@ -433,6 +451,7 @@ def train(args: TrainingArguments) -> dict[str, Any]:
     final validation metrics and output paths."""
     check_data_source(args)
     accelerator = make_accelerator(args, Path(args.output_dir))
+    output_lock = claim_output_dir(accelerator, Path(args.output_dir))  # noqa: F841 (held until train returns)
     set_seed(args.seed)
 
     # Data: the caches are checked (online: the dataset tokenized, the target loaded) before anything is built.
