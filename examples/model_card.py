@@ -52,6 +52,29 @@ def speed_rows(benches: list[dict]) -> dict:
     return rows
 
 
+SAMPLED = {"chatterbot", "wordnet-verbs", "stdlib-write", "chitchat-long"}  # regenerated at T = 0.8 (make_drafter.sh)
+
+
+def data_section(work: Path) -> list[str]:
+    """What the drafter trained on, counted from the regenerated files: conversations and assistant tokens per corpus."""
+    from transformers import AutoTokenizer
+
+    from dspark_hf.assets import smollm2_path
+    from dspark_hf.data import read_jsonl
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_path()))
+    rows, total = {}, 0
+    for path in sorted((work / "data").glob("*-train.jsonl")):
+        corpus = path.name.removesuffix("-train.jsonl")
+        records = list(read_jsonl(path))
+        tokens = sum(len(tokenizer(m["content"]).input_ids) for r in records for m in r["messages"] if m["role"] == "assistant")
+        rows[corpus] = {"conversations": len(records), "assistant tokens": tokens,
+                        "answers": "sampled, T = 0.8" if corpus in SAMPLED else "greedy"}
+        total += tokens
+    return ["## Training data per corpus", f"{total:,} assistant tokens in all (SmolLM2's own answers).",
+            markdown_table(rows, "corpus")] if rows else []
+
+
 def sizing_section(work: Path) -> list[str]:
     """How the size was chosen: every candidate's measured speed-up per domain (examples/pick_size.py)."""
     path = work / "sizing.json"
@@ -82,7 +105,7 @@ def main(out: Path, work: Path, dflash: Path, seconds: int, steps: str) -> None:
                          f"it took {seconds // 60} min (stages already done are skipped, so a resumed run reports less)",
         tau=tau, speed=speed_rows(benches),
         machine=f"{evaluation['machine']}; speed rows name their dtype; ratios measured side by side in one run",
-        more_sections=sizing_section(work),
+        more_sections=data_section(work) + sizing_section(work),
         description=f"The default drafter of dspark-hf: a {config.num_hidden_layers}-layer DSpark drafter for "
                     "SmolLM2-135M-Instruct trained on 2 CPU cores, drafting with the hardware-aware schedule (`dspark_schedule: \"hardware\"`: each round "
                     "verifies the number of drafts that maximises expected tokens per second, none when drafting does "

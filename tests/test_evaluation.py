@@ -182,6 +182,12 @@ def _check_sizing_picks_the_fastest(tmp_path, report):
     assert sizing["candidates"]["fast"]["MB (bf16)"] > 0 and sizing["steps"] == 7
     section = "\n".join(_example("model_card").sizing_section(work))
     assert "**fast**" in section and "| slow |" in section and "7 steps" in section
+    from dspark_hf.data import write_jsonl
+
+    (work / "data").mkdir()
+    write_jsonl(work / "data" / "chatterbot-train.jsonl", CONVERSATIONS)
+    data = "\n".join(_example("model_card").data_section(work))
+    assert f"| chatterbot | {len(CONVERSATIONS)} |" in data and "sampled, T = 0.8" in data
 
 
 def test_bench_domains_keep_history_when_asked(tmp_path):
