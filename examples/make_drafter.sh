@@ -108,9 +108,10 @@ declare -A CANDIDATES=(
   [l1-ffn1024-r64-b8]="--num-draft-layers 1 --block-size 8 --markov-rank 64 --drafter-config intermediate_size=1024"
   [l1-ffn1024-r64-b16]="--num-draft-layers 1 --block-size 16 --markov-rank 64 --drafter-config intermediate_size=1024"
   [l2-ffn1024-r64-b8]="--num-draft-layers 2 --block-size 8 --markov-rank 64 --drafter-config intermediate_size=1024"
-  [l1-ffn2048-r128-b8]="--num-draft-layers 1 --block-size 8 --markov-rank 128 --drafter-config intermediate_size=2048"
+  [l1-ffn2048-r64-b8]="--num-draft-layers 1 --block-size 8 --markov-rank 64 --drafter-config intermediate_size=2048"
+  [l1-ffn1024-r128-b8]="--num-draft-layers 1 --block-size 8 --markov-rank 128 --drafter-config intermediate_size=1024"
 )
-names=(l1-ffn1024-r64-b8 l1-ffn1024-r64-b16 l2-ffn1024-r64-b8 l1-ffn2048-r128-b8)  # the order they train in
+names=(l1-ffn1024-r64-b8 l1-ffn1024-r64-b16 l2-ffn1024-r64-b8 l1-ffn2048-r64-b8 l1-ffn1024-r128-b8)  # the order they train in
 SIZING_STEPS=${SIZING_STEPS:-$(( STEPS * 3 / 20 ))}  # 300 of 2000
 SIZING_BENCH=(--prompts chitchat wordnet-nouns stdlib-explain chitchat-long:validation:6 --split validation
   --methods plain dspark-fixed --num-prompts "${SIZING_PROMPTS:-3}" --max-new-tokens 64 --repetitions 1 --dtype bfloat16

@@ -86,8 +86,9 @@ def sizing_section(work: Path) -> list[str]:
             f"Each candidate (layers, FFN width, Markov rank, block size) trained {sizing['steps']} steps on the same "
             f"{count}training conversations, "
             f"then `dspark-hf bench` measured fixed-length blocks against plain generate on {sizing['split']} prompts "
-            f"({sizing['max_new_tokens']} new tokens, {sizing['dtype']}, {sizing['machine']}). The default is the highest "
-            f"geometric-mean speed-up over every domain and mode: **{sizing['chosen']}**.",
+            f"({sizing['max_new_tokens']} new tokens, {sizing['dtype']}, {sizing['machine']}). The default is the "
+            f"highest geometric-mean speed-up over every domain and mode within {sizing.get('max_mb', 25):g} MB: "
+            f"**{sizing['chosen']}**.",
             markdown_table(sizing["candidates"], "candidate")]
 
 

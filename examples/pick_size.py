@@ -1,18 +1,19 @@
 """Pick the drafter size `make drafter` trains, from what its sizing stage measured (examples/make_drafter.sh, 4/8).
 
-    python examples/pick_size.py WORK NAME [NAME ...]
+    python examples/pick_size.py WORK NAME [NAME ...]   # MAX_MB (default 25): the shipped drafter's size limit
 
 Reads WORK/size-NAME/bench.json (`dspark-hf bench` of each candidate, fixed-length blocks against plain generate, per
 domain and mode, validation prompts) and WORK/size-NAME/drafter (its weights), writes WORK/sizing.json with every
 number behind the choice, prints the table on stderr and the chosen NAME on stdout. The choice is the highest
-geometric mean of the speed-ups over every (domain, mode): a drafter that wins one domain by losing another is not
-the default.
+geometric mean of the speed-ups over every (domain, mode) among the candidates within MAX_MB in bf16: a drafter that
+wins one domain by losing another is not the default.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from safetensors import safe_open
 from dspark_hf.hub import markdown_table
 
 BOUND = ("embed_tokens", "lm_head")  # copied from the target at load, not shipped
+MAX_MB = float(os.environ.get("MAX_MB", 25))
 
 
 def shipped_parameters(drafter: Path) -> int:
@@ -47,19 +49,24 @@ def candidate_row(work: Path, name: str) -> dict:
         for mode, methods in result["modes"].items():
             drafted = methods["dspark-fixed"]
             speedups.append(drafted["speedup_vs_plain"])
-            row[f"{Path(domain).name} {mode}"] = f"{drafted['speedup_vs_plain']:.2f}× (τ {drafted['mean_accepted_length']:.2f})"
+            speedup, tau = drafted["speedup_vs_plain"], drafted["mean_accepted_length"]
+            row[f"{Path(domain).name} {mode}"] = f"{speedup:.2f}× (τ {tau:.2f})"
     row["geo-mean × plain"] = round(math.exp(sum(map(math.log, speedups)) / len(speedups)), 3)
-    row["draft ms / verify ms"] = f"{bench['dspark_overhead']['draft_round_ms']:.1f} / {bench['dspark_overhead']['verify_pass_ms']:.1f}"
+    overhead = bench["dspark_overhead"]
+    row["draft ms / verify ms"] = f"{overhead['draft_round_ms']:.1f} / {overhead['verify_pass_ms']:.1f}"
     row["MB (bf16)"] = round(2 * shipped_parameters(work / f"size-{name}" / "drafter") / 1e6, 1)
     return row
 
 
 def main(work: Path, names: list[str]) -> str:
     rows = {name: candidate_row(work, name) for name in names}
-    chosen = max(rows, key=lambda name: rows[name]["geo-mean × plain"])
+    eligible = [name for name in names if rows[name]["MB (bf16)"] <= MAX_MB]
+    if not eligible:
+        raise SystemExit(f"pick_size: every candidate is over MAX_MB={MAX_MB}; add a smaller one")
+    chosen = max(eligible, key=lambda name: rows[name]["geo-mean × plain"])
     bench = json.loads((work / f"size-{names[0]}" / "bench.json").read_text())
     training = json.loads((work / f"size-{names[0]}" / "training_args.json").read_text())
-    report = {"chosen": chosen, "candidates": rows, "steps": training.get("max_steps"),
+    report = {"chosen": chosen, "candidates": rows, "max_mb": MAX_MB, "steps": training.get("max_steps"),
               "training_conversations": training_conversations(training), "machine": bench["machine"],
               "dtype": bench["dtype"], "max_new_tokens": bench["max_new_tokens"], "split": bench["split"]}
     (work / "sizing.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")

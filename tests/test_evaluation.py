@@ -173,13 +173,18 @@ def _check_sizing_picks_the_fastest(tmp_path, report):
         (work / f"size-{name}" / "bench.json").write_text(json.dumps(bench))
         (work / f"size-{name}" / "training_args.json").write_text(json.dumps({"max_steps": 7}))
         shutil.copytree(tmp_path / "dspark", work / f"size-{name}" / "drafter")
-    assert _example("pick_size").main(work, ["slow", "fast"]) == "fast"
+    pick_size = _example("pick_size")
+    assert pick_size.main(work, ["slow", "fast"]) == "fast"
     sizing = json.loads((work / "sizing.json").read_text())
     speedups = [m["dspark-fixed"]["speedup_vs_plain"] for r in report["domains"].values() for m in r["modes"].values()]
     geomean = math.exp(sum(map(math.log, speedups)) / len(speedups))
     assert sizing["candidates"]["fast"]["geo-mean × plain"] == pytest.approx(geomean, abs=1e-3)
     assert sizing["candidates"]["slow"]["geo-mean × plain"] == pytest.approx(geomean / 2, abs=1e-3)
     assert sizing["candidates"]["fast"]["MB (bf16)"] > 0 and sizing["steps"] == 7
+    pick_size.MAX_MB = sizing["candidates"]["fast"]["MB (bf16)"] - 0.1  # the fast one over the limit: never shipped
+    with pytest.raises(SystemExit, match="every candidate is over MAX_MB"):
+        pick_size.main(work, ["slow", "fast"])
+    pick_size.MAX_MB = 25
     section = "\n".join(_example("model_card").sizing_section(work))
     assert "**fast**" in section and "| slow |" in section and "7 steps" in section
     from dspark_hf.data import write_jsonl
