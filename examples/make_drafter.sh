@@ -31,7 +31,7 @@ THREADS=${THREADS:-1}                 # 1 thread per job beats 2 oversubscribed 
 STEPS=${STEPS:-2000}
 SIZE=${SIZE:-75}                       # percent of each domain's prompts below (75: ~0.9M assistant tokens)
 VALIDATION=${VALIDATION:-16}           # validation conversations per corpus (calibration and offline eval)
-BENCH_PROMPTS=${BENCH_PROMPTS:-4}; BENCH_REPS=${BENCH_REPS:-2}
+BENCH_PROMPTS=${BENCH_PROMPTS:-3}; BENCH_REPS=${BENCH_REPS:-2}
 AUX=2,15,28                            # speculators convention (HF hidden_states index) of SmolLM2's 30 layers
 MASK=16                                # <empty_output>: a special token chat never uses
 export OMP_NUM_THREADS=$THREADS HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -41,8 +41,10 @@ stage() { echo; echo "=== $* ($(( $(date +%s) - START )) s)"; }
 
 stage "1/8 regenerate: SmolLM2 writes the assistant turns (bf16; greedy for half the corpora, T = 0.8 for the rest)"
 regen() {  # corpus split limit max-turns temperature max-new-tokens
+  local out="$WORK/data/$1-$2.jsonl"  # regenerate writes the split's conversations in order: N lines = the first N
+  [ -f "$out" ] && [ "$(wc -l < "$out")" -ge "$3" ] && return
   $CLI regenerate --target smollm2 --dtype bfloat16 --batch-size 48 --input "$1" --split "$2" --limit "$3" \
-    --max-turns "$4" --temperature "$5" --max-new-tokens "$6" --seed 0 --output "$WORK/data/$1-$2.jsonl"
+    --max-turns "$4" --temperature "$5" --max-new-tokens "$6" --seed 0 --output "$out"
 }
 # Each domain is filled in passes (a quarter, a half, then all of its share), so a run stopped at any point leaves
 # balanced data; a rerun skips the conversations already written. The greedy and the sampled corpora regenerate side
@@ -169,7 +171,7 @@ EVAL=(--cache "$WORK/cache-validation" --num-prompts 0 --threads "$THREADS")
 [ -f "$OUT_DSPARK/eval.json" ] || $CLI eval --model "$OUT_DSPARK" "${EVAL[@]}" --plots "$OUT_DSPARK" --json "$OUT_DSPARK/eval.json"
 cp "$WORK/eval-dflash.json" "$OUT_DFLASH/eval.json"
 BENCH=(--model "$OUT_DSPARK" --dflash "$OUT_DFLASH" --prompts chitchat wordnet-nouns stdlib-explain chitchat-long:test:6 humaneval:all
-  --num-prompts "$BENCH_PROMPTS" --max-new-tokens 96 --repetitions "$BENCH_REPS" --threads "$THREADS")
+  --num-prompts "$BENCH_PROMPTS" --max-new-tokens 64 --repetitions "$BENCH_REPS" --threads "$THREADS")
 [ -f "$OUT_DSPARK/bench-bf16.json" ] || $CLI bench "${BENCH[@]}" --dtype bfloat16 --plots "$OUT_DSPARK" --json "$OUT_DSPARK/bench-bf16.json"
 [ -f "$OUT_DSPARK/bench-fp32.json" ] || $CLI bench "${BENCH[@]}" --dtype float32 --methods plain dspark-fixed dspark --json "$OUT_DSPARK/bench-fp32.json"
 $PY examples/model_card.py "$OUT_DSPARK" "$WORK" "$OUT_DFLASH" "$(( $(date +%s) - START ))" "$STEPS"
