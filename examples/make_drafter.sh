@@ -174,5 +174,5 @@ BENCH=(--model "$OUT_DSPARK" --dflash "$OUT_DFLASH" --prompts chitchat wordnet-n
   --num-prompts "$BENCH_PROMPTS" --max-new-tokens 64 --repetitions "$BENCH_REPS" --threads "$THREADS")
 [ -f "$OUT_DSPARK/bench-bf16.json" ] || $CLI bench "${BENCH[@]}" --dtype bfloat16 --plots "$OUT_DSPARK" --json "$OUT_DSPARK/bench-bf16.json"
 [ -f "$OUT_DSPARK/bench-fp32.json" ] || $CLI bench "${BENCH[@]}" --dtype float32 --methods plain dspark-fixed dspark --json "$OUT_DSPARK/bench-fp32.json"
-$PY examples/model_card.py "$OUT_DSPARK" "$WORK" "$OUT_DFLASH" "$(( $(date +%s) - START ))" "$STEPS"
+$PY examples/model_card.py "$OUT_DSPARK" "$WORK" "$OUT_DFLASH" "$(( $(date +%s) - START ))" "$STEPS" "$SIZE"
 stage "done: $OUT_DSPARK ($(du -sh "$OUT_DSPARK" | cut -f1)), $OUT_DFLASH ($(du -sh "$OUT_DFLASH" | cut -f1))"

@@ -1,6 +1,6 @@
 """Write the shipped drafter's model card from what `make drafter` measured (examples/make_drafter.sh, last stage).
 
-    python examples/model_card.py OUT_DSPARK WORK OUT_DFLASH SECONDS STEPS
+    python examples/model_card.py OUT_DSPARK WORK OUT_DFLASH SECONDS STEPS SIZE
 
 Reads OUT_DSPARK/eval.json (offline τ and calibration on the multi-domain validation cache), WORK/eval-dflash.json
 (the same-budget DFlash-only baseline) and OUT_DSPARK/bench-*.json (`dspark-hf bench` per domain), and writes
@@ -92,7 +92,7 @@ def sizing_section(work: Path) -> list[str]:
             markdown_table(sizing["candidates"], "candidate")]
 
 
-def main(out: Path, work: Path, dflash: Path, seconds: int, steps: str) -> None:
+def main(out: Path, work: Path, dflash: Path, seconds: int, steps: str, size: str = "75") -> None:
     evaluation = json.loads((out / "eval.json").read_text())
     baseline = json.loads((work / "eval-dflash.json").read_text())
     benches = [json.loads(p.read_text()) for p in sorted(out.glob("bench-*.json"))]
@@ -102,7 +102,7 @@ def main(out: Path, work: Path, dflash: Path, seconds: int, steps: str) -> None:
     card = build_model_card(
         config, target="HuggingFaceTB/SmolLM2-135M-Instruct", repo_id="examples/smollm2-dspark",
         training_data=TRAINING_DATA,
-        training_command=f"make drafter   # examples/make_drafter.sh, {steps} steps per drafter; the run that finished "
+        training_command=f"SIZE={size} STEPS={steps} make drafter   # examples/make_drafter.sh; the run that finished "
                          f"it took {seconds // 60} min (stages already done are skipped, so a resumed run reports less)",
         tau=tau, speed=speed_rows(benches),
         machine=f"{evaluation['machine']}; speed rows name their dtype; ratios measured side by side in one run",
@@ -117,4 +117,4 @@ def main(out: Path, work: Path, dflash: Path, seconds: int, steps: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:7])
