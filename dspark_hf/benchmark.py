@@ -188,10 +188,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         modes = {mode: summarize_runs(run_methods(target, encoded, methods, models, args, mode == "sample"), mode == "sample")
                  for mode in args.modes}
         report["domains"][spec] = {"prompts": len(encoded), "modes": modes}
-    for name in ("dspark", "dflash"):
-        if name in models:
+    for name, key in (("dspark", "dspark"), ("dspark-fixed", "dspark"), ("dflash", "dflash")):  # one per drafter
+        if name in models and f"{key}_overhead" not in report:
             context = _long_context(tokenizer, [first_prompt], args.overhead_context) if args.overhead_context else first_prompt
-            report[f"{name}_overhead"] = drafter_overhead(target, models[name], context)
+            report[f"{key}_overhead"] = drafter_overhead(target, models[name], context)
     if args.plots and "dspark" in methods:
         Path(args.plots).mkdir(parents=True, exist_ok=True)
         report["plots"] = {"acceptance": plot_domain_acceptance(Path(args.plots) / "acceptance.png", report)}

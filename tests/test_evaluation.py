@@ -150,7 +150,16 @@ def test_eval_and_bench_commands_run_on_a_tiny_model(tiny, tmp_path, capsys):
     assert len(live["acceptance_conditional_rounds"]) == drafter.num_draft_tokens
     assert live["acceptance_cumulative_rounds"][0] == live["rounds"] - live["drafts_per_round_histogram"][0]
     assert (tmp_path / "bench-plots" / "acceptance.png").stat().st_size > 0
-    _check_sizing_picks_the_fastest(tmp_path, report)
+
+    # `make drafter`'s sizing bench: fixed blocks against plain only; the drafter's round cost is still measured.
+    args = parser.parse_args(["--model", str(tmp_path / "dspark"), "--target", str(tmp_path / "target"), "--prompts",
+                              str(tmp_path / "prompts.jsonl"), "--split", "all", "--num-prompts", "1", "--max-new-tokens",
+                              "6", "--repetitions", "1", "--dtype", "float32", "--methods", "plain", "dspark-fixed",
+                              "--json", str(tmp_path / "sizing-bench.json")])
+    assert benchmark.run(args) == 0
+    sizing_bench = json.loads((tmp_path / "sizing-bench.json").read_text())
+    assert sizing_bench["dspark_overhead"]["draft_round_ms"] > 0
+    _check_sizing_picks_the_fastest(tmp_path, sizing_bench)
 
 
 def _example(name: str):
@@ -181,6 +190,7 @@ def _check_sizing_picks_the_fastest(tmp_path, report):
     assert sizing["candidates"]["fast"]["geo-mean × plain"] == pytest.approx(geomean, abs=1e-3)
     assert sizing["candidates"]["slow"]["geo-mean × plain"] == pytest.approx(geomean / 2, abs=1e-3)
     assert sizing["candidates"]["fast"]["MB (bf16)"] > 0 and sizing["steps"] == 7
+    assert " / " in sizing["candidates"]["fast"]["draft ms / verify ms"]
     pick_size.MAX_MB = sizing["candidates"]["fast"]["MB (bf16)"] - 0.1  # the fast one over the limit: never shipped
     with pytest.raises(SystemExit, match="every candidate is over MAX_MB"):
         pick_size.main(work, ["slow", "fast"])
