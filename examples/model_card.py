@@ -108,9 +108,9 @@ def main(out: Path, work: Path, dflash: Path, seconds: int, steps: str, size: st
         machine=f"{evaluation['machine']}; speed rows name their dtype; ratios measured side by side in one run",
         more_sections=data_section(work) + sizing_section(work),
         description=f"The default drafter of dspark-hf: a {config.num_hidden_layers}-layer DSpark drafter for "
-                    "SmolLM2-135M-Instruct trained on 2 CPU cores, drafting with the hardware-aware schedule (`dspark_schedule: \"hardware\"`: each round "
-                    "verifies the number of drafts that maximises expected tokens per second, none when drafting does "
-                    "not pay). The checkpoint omits the frozen `embed_tokens`/`lm_head` (`bind_target_embeddings`); "
+                    "SmolLM2-135M-Instruct trained on 2 CPU cores, drafting with the hardware-aware schedule "
+                    "(`dspark_schedule: \"hardware\"`: each round verifies the number of drafts that maximises "
+                    "expected tokens per second, none when drafting does not pay). The checkpoint omits the frozen `embed_tokens`/`lm_head` (`bind_target_embeddings`); "
                     "they are copied from the target on the first `generate`. Generation with it is lossless.")
     card.save(out / "README.md")
     print(f"model card -> {out / 'README.md'}")

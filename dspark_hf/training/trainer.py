@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from filelock import FileLock, Timeout
 from accelerate.utils import ProjectConfiguration, set_seed
+from filelock import FileLock, Timeout
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
