@@ -170,11 +170,11 @@ def summarize_runs(runs: dict[str, dict[str, Any]], do_sample: bool) -> dict[str
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
     target, tokenizer = load_target(resolve_target(args.target, args.model), dtype=args.dtype)
-    methods, models = load_methods(args, target, dtype)
+    methods, models = load_methods(args, target, getattr(torch, args.drafter_dtype))
     report: dict[str, Any] = {
-        "machine": machine_description(), "dtype": args.dtype, "split": args.split, "max_new_tokens": args.max_new_tokens,
+        "machine": machine_description(), "dtype": args.dtype, "drafter_dtype": args.drafter_dtype, "split": args.split,
+        "max_new_tokens": args.max_new_tokens,
         "repetitions": args.repetitions, "drafter": drafter_name(args.model),
         "assistant": f"{target.name_or_path} truncated to its first {args.assistant_layers} of {target.config.num_hidden_layers} "
                      "layers + final norm + LM head (untrained), transformers' default assistant settings",
@@ -206,7 +206,7 @@ def _long_context(tokenizer, encoded, length: int) -> dict[str, torch.Tensor]:
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"machine: {report['machine']}", f"drafter: {report['drafter']}",
-             f"dtype: {report['dtype']}   max_new_tokens: {report['max_new_tokens']}   repetitions: "
+             f"dtype: {report['dtype']} (drafters: {report.get('drafter_dtype', report['dtype'])})   max_new_tokens: {report['max_new_tokens']}   repetitions: "
              f"{report['repetitions']} (interleaved, median)",
              f"assisted-lm = {report['assistant']}",
              f"prompt-lookup: prompt_lookup_num_tokens={report['prompt_lookup_num_tokens']}; "
@@ -214,13 +214,17 @@ def format_report(report: dict[str, Any]) -> str:
     for domain, result in report["domains"].items():
         for mode, rows in result["modes"].items():
             lines += ["", f"[{domain}: {result['prompts']} prompts, {mode}, {report['dtype']}]",
-                      f"{'method':<14}{'tok/s':>8}{'× plain':>9}{'τ live':>8}{'drafts/rd':>10}{'same text':>10}"]
+                      f"{'method':<14}{'tok/s':>8}{'× plain':>9}{'τ live':>8}{'drafts/rd':>10}{'same text':>10}"
+                      f"{'c_n said/seen':>15}"]
             for m, r in rows.items():
                 tau = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
                 drafts = f"{r['mean_drafts_per_round']:.2f}" if "mean_drafts_per_round" in r else "-"
                 same = f"{r['identical_to_plain']}/{result['prompts']}" if "identical_to_plain" in r else "-"
+                # the schedule's (recalibrated) confidence against the survival verification then observed
+                live = (f"{r['live_confidence_mean']:.2f}/{r['live_acceptance_rate']:.2f}"
+                        if "live_confidence_mean" in r else "-")
                 lines.append(f"{m:<14}{r['tokens_per_s']:>8.1f}{r.get('speedup_vs_plain', float('nan')):>9.2f}"
-                             f"{tau:>8}{drafts:>10}{same:>10}")
+                             f"{tau:>8}{drafts:>10}{same:>10}{live:>15}")
     lines += ["", "summary: DSpark (shipped generation config) × plain generate per domain", *summary_table(report)]
     for key in ("dspark_overhead", "dflash_overhead"):
         o = report.get(key)
@@ -258,7 +262,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "blocks; dspark-conf = survival threshold (default: all but dspark-conf)")
     parser.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=["greedy", "sample"],
                         help="decoding modes (sample = T=1)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the target's dtype")
+    parser.add_argument("--drafter-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="the drafters' dtype (default bf16 whatever the target's, as from_pretrained loads the "
+                        "shipped checkpoint: half the cost of an fp32 draft round, and verification keeps the output "
+                        "the target's own)")
     parser.add_argument("--prompts", nargs="+", default=["chitchat"], metavar="SOURCE[:SPLIT[:TURNS]]",
                         help="one domain per entry, each reported on its own: a corpus (chitchat, chatterbot, "
                         "wordnet-nouns, stdlib-explain, chitchat-long, humaneval, ...) or a JSONL file; SPLIT overrides "

@@ -161,6 +161,8 @@ def merge_generation_stats(stats_list) -> Any:
         merged.accepted += list(s.accepted)
         merged.draft_time_s += s.draft_time_s
         merged.verify_time_s += s.verify_time_s
+        merged.confidence_predicted += getattr(s, "confidence_predicted", 0.0)  # older remote code lacks them
+        merged.confidence_observed += getattr(s, "confidence_observed", 0)
     return merged
 
 
@@ -218,7 +220,13 @@ def live_acceptance(stats) -> dict[str, Any]:
     drafted, accepted, N = stats.drafted, stats.accepted, stats.num_draft_tokens
     proposed = [sum(d >= k for d in drafted) for k in range(1, N + 1)]
     reached = [sum(d >= k and a >= k - 1 for a, d in zip(accepted, drafted)) for k in range(1, N + 1)]
+    verified = sum(min(d, a + 1) for a, d in zip(accepted, drafted))  # drafts verification reached
+    live_calibration = {}
+    if verified and getattr(stats, "confidence_predicted", 0.0):  # the hardware schedule's recalibrated confidences
+        live_calibration = {"live_confidence_mean": stats.confidence_predicted / verified,
+                            "live_acceptance_rate": stats.confidence_observed / verified}
     return {
+        **live_calibration,
         "rounds": stats.rounds,
         "mean_accepted_length": stats.mean_accepted_length,
         "mean_drafts_per_round": sum(drafted) / max(stats.rounds, 1),
@@ -318,7 +326,7 @@ def _fmt(values, digits=3) -> str:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = [f"machine: {report['machine']}", f"target dtype: {report['dtype']}"]
+    lines = [f"machine: {report['machine']}", f"target dtype: {report['dtype']}, drafter dtype (online): {report.get('drafter_dtype', report['dtype'])}"]
     off = report.get("offline")
     if off:
         lines += [
@@ -373,8 +381,7 @@ def load_drafter(path: str, target=None, dtype: torch.dtype = torch.float32):
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     args.target = resolve_target(args.target, args.model)
     set_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    report: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "machine": machine_description(), "plots": {}}
+    report: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "drafter_dtype": args.drafter_dtype, "machine": machine_description(), "plots": {}}
     plots = Path(args.plots) if args.plots else None
     if plots:
         plots.mkdir(parents=True, exist_ok=True)
@@ -400,7 +407,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.num_prompts > 0:
         target, tokenizer = load_target(args.target, dtype=args.dtype)
-        drafter = load_drafter(args.model, target, dtype)
+        drafter = load_drafter(args.model, target, getattr(torch, args.drafter_dtype))
         if args.confidence_threshold is not None:
             drafter.generation_config.dspark_confidence_threshold = args.confidence_threshold
         prompts = held_out_prompts(args.prompts, args.split, args.num_prompts)
@@ -433,7 +440,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="online decoding modes (sample = T=1)")
     parser.add_argument("--confidence-threshold", type=float, default=None,
                         help="online: confidence-scheduled block length (default: the drafter's generation_config)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="online target/drafter dtype")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="online: the target's dtype")
+    parser.add_argument("--drafter-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="online: the drafter's dtype (default bf16 whatever the target's, as from_pretrained loads it)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--plots", help="directory for acceptance.png and reliability.png")
     parser.add_argument("--json", nargs="?", const="-", default=None,

@@ -3,12 +3,13 @@
 Offline (HF_HUB_OFFLINE=1): the target comes from the PyPI GGUF (dspark_hf.assets), the drafter from
 examples/smollm2-dspark/ through `AutoModel.from_pretrained(..., trust_remote_code=True)`, exactly as a user loads
 it. Each prompt is answered twice, with plain greedy `generate` and with `generate(..., assistant_model=drafter)`;
-both run in fp32, the dtype in which speculative and plain greedy decoding agree token for token (in bf16 an
-8-token verify pass and eight 1-token steps round differently, see ASSETS.md). The demo prints both texts, whether
-they are identical, τ (mean accepted length per verify round, bonus token included), the per-position acceptance
-the drafts the shipped hardware-aware schedule chose per round, and the speed-up measured in this run, and exits
-non-zero if any text differs. The schedule measures the target's verify cost once per machine and dtype (a few
-seconds, stored under the Hugging Face cache home; `dspark-hf profile` re-measures it).
+the target runs in fp32, the dtype in which speculative and plain greedy decoding agree token for token (in bf16 an
+8-token verify pass and eight 1-token steps round differently, see ASSETS.md); the drafter in its checkpoint's bf16,
+as `from_pretrained` loads it (what it drafts never changes the text, only how fast it comes). The demo prints both
+texts, whether they are identical, τ (mean accepted length per verify round, bonus token included), the per-position
+acceptance, how many drafts the shipped hardware-aware schedule chose per round, and the speed-up measured in this run,
+and exits non-zero if any text differs. The schedule measures the target's verify cost once per machine and dtype (a
+few seconds, stored under the Hugging Face cache home; `dspark-hf profile` re-measures it).
 
     python examples/demo.py [--drafter DIR] [--max-new-tokens 64] [--dtype float32]
 """
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="dtype of target and drafter (fp32: the text must be identical; bf16 may drift)")
+                        help="the target's dtype (fp32: the text must be identical; bf16 may drift); the drafter "
+                        "keeps its checkpoint's dtype")
     args = parser.parse_args(argv)
 
     drafter_dir = Path(args.drafter)
@@ -88,10 +90,14 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     target, tokenizer = load_smollm2(dtype=args.dtype)
-    drafter = AutoModel.from_pretrained(str(drafter_dir), trust_remote_code=True, dtype=getattr(torch, args.dtype)).eval()
+    # the drafter as a user loads it: its checkpoint dtype (bf16), whatever the target's (verification keeps the text
+    # the target's own; a bf16 draft round costs half an fp32 one)
+    drafter = AutoModel.from_pretrained(str(drafter_dir), trust_remote_code=True).eval()
     prompts = held_out_prompts(["chitchat"], "test", args.num_prompts)
+    drafter_dtype = str(drafter.dtype).replace("torch.", "")
     print(f"dspark-hf demo: SmolLM2-135M-Instruct + {drafter_dir.name} ({drafter.config.num_hidden_layers} draft layer(s), "
-          f"B = {drafter.config.block_size}), {args.dtype}, {len(prompts)} held-out chitchat prompts (test split)")
+          f"B = {drafter.config.block_size}), target {args.dtype}, drafter {drafter_dtype}, {len(prompts)} held-out "
+          "chitchat prompts (test split)")
     print(f"machine: {machine_description()}")
     schedule = getattr(drafter.generation_config, "dspark_schedule", None) or "fixed"
     print(f"draft schedule: {schedule} (drafts per round chosen from the measured verify cost and the calibrated "

@@ -42,7 +42,9 @@ def speed_rows(benches: list[dict]) -> dict:
                 row = methods.get("dspark")
                 if row is None:
                     continue
-                rows[f"{domain}, {mode}, {bench['dtype']}"] = {
+                drafter = bench.get("drafter_dtype", bench["dtype"])
+                dtype = bench["dtype"] if drafter == bench["dtype"] else f"{bench['dtype']} (drafter {drafter})"
+                rows[f"{domain}, {mode}, {dtype}"] = {
                     "plain tok/s": round(methods["plain"]["tokens_per_s"], 1),
                     "DSpark tok/s": round(row["tokens_per_s"], 1),
                     "× plain": f"{row['speedup_vs_plain']:.2f}",

@@ -142,11 +142,12 @@ def test_eval_and_bench_commands_run_on_a_tiny_model(tiny, tmp_path, capsys):
     out = capsys.readouterr().out
     for method in benchmark.ALL_METHODS:
         assert f"\n{method} " in out
-    assert "dspark overhead" in out and "machine:" in out and "dtype: float32" in out
+    assert "dspark overhead" in out and "machine:" in out and "dtype: float32 (drafters: bfloat16)" in out
     assert "summary: DSpark (shipped generation config) × plain generate per domain" in out
     report = json.loads((tmp_path / "bench.json").read_text())
     domain = report["domains"][str(tmp_path / "prompts.jsonl")]
     live = domain["modes"]["greedy"]["dspark"]
+    assert report["drafter_dtype"] == "bfloat16" and live["identical_to_plain"] == 1  # bf16 drafter, fp32 target
     assert len(live["acceptance_conditional_rounds"]) == drafter.num_draft_tokens
     assert live["acceptance_cumulative_rounds"][0] == live["rounds"] - live["drafts_per_round_histogram"][0]
     assert (tmp_path / "bench-plots" / "acceptance.png").stat().st_size > 0
@@ -252,13 +253,15 @@ def test_shipped_drafter_loads_with_automodel_and_is_lossless_in_fp32(smollm2):
     from dspark_hf.evaluation import encode_prompt, held_out_prompts, timed_generate
 
     target, tokenizer = smollm2
-    drafter = AutoModel.from_pretrained(str(SHIPPED), trust_remote_code=True, dtype=torch.float32).eval()
-    assert drafter.config.bind_target_embeddings
     size = sum(f.stat().st_size for f in SHIPPED.iterdir() if f.is_file())
     assert size <= 25 * 2**20, f"shipped drafter is {size / 2**20:.1f} MiB"
-    for messages in held_out_prompts(["chitchat"], "test", 2):
-        inputs = encode_prompt(tokenizer, messages)
-        plain, _ = timed_generate(target, inputs, 24, False)
-        spec, _ = timed_generate(target, inputs, 24, False, assistant_model=drafter)
-        assert torch.equal(plain, spec), tokenizer.decode(plain) + " vs " + tokenizer.decode(spec)
-    assert drafter.last_generation_stats.rounds > 0
+    # as a user loads it (its bf16 checkpoint dtype) and in fp32: the fp32 target's text either way
+    for dtype in (None, torch.float32):
+        drafter = AutoModel.from_pretrained(str(SHIPPED), trust_remote_code=True, dtype=dtype).eval()
+        assert drafter.config.bind_target_embeddings and drafter.dtype == (dtype or torch.bfloat16)
+        for messages in held_out_prompts(["chitchat"], "test", 2):
+            inputs = encode_prompt(tokenizer, messages)
+            plain, _ = timed_generate(target, inputs, 24, False)
+            spec, _ = timed_generate(target, inputs, 24, False, assistant_model=drafter)
+            assert torch.equal(plain, spec), tokenizer.decode(plain) + " vs " + tokenizer.decode(spec)
+        assert drafter.last_generation_stats.rounds > 0

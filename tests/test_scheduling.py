@@ -126,22 +126,84 @@ def test_noisy_profile_falls_back_to_the_threshold_rule():
 def test_profile_noise_is_detected_from_the_timings(monkeypatch):
     """Timings that cannot rank k (one spread wider than a quarter of its median, or typical spreads over 10 %)
     mark the profile noisy; clean timings do not, nor does a consistent inversion (another CPU kernel), which the
-    monotone envelope absorbs."""
+    profile keeps as measured: every k is timed, none interpolated or smoothed."""
     target = make_tiny_target("llama")
 
     def fake_timings(samples_per_k):
         monkeypatch.setattr(modeling_dspark, "_time_verify_passes", lambda *args: [list(s) for s in samples_per_k])
-        return modeling_dspark.measure_verify_profile(target, 4, context_lengths=(16,), repeats=4)
+        return modeling_dspark.measure_verify_profile(target, 3, context_lengths=(16,), repeats=4)
 
     clean = fake_timings([[1.0, 1.01, 1.0, 1.02], [1.1, 1.1, 1.11, 1.1], [1.2, 1.21, 1.2, 1.2], [1.4, 1.4, 1.41, 1.4]])
     assert not clean.noisy
-    assert clean.verify_time_s[0] == pytest.approx([1.01, 1.1, 1.2, 1.3, 1.4], abs=0.011)  # k = 3 interpolated
+    assert clean.verify_time_s[0] == pytest.approx([1.01, 1.1, 1.2, 1.4], abs=0.011)
     inverted = fake_timings([[1.0] * 4, [1.3] * 4, [1.0] * 4, [1.4] * 4])  # t(2) < t(1) every time: real
     assert not inverted.noisy
-    assert inverted.verify_time_s[0] == pytest.approx([1.0, 1.3, 1.3, 1.35, 1.4])  # more tokens never cheaper
+    assert inverted.verify_time_s[0] == pytest.approx([1.0, 1.3, 1.0, 1.4])
     assert fake_timings([[1.0, 1.0, 2.0, 2.0], [1.1] * 4, [1.2] * 4, [1.4] * 4]).noisy  # one wide spread
     jittery = [[0.85 * t, 0.95 * t, 1.08 * t, 1.2 * t] for t in (1.0, 1.1, 1.2, 1.4)]  # every spread 13 %
     assert fake_timings(jittery).noisy
+
+
+def test_measured_profile_times_every_draft_count(monkeypatch):
+    """The profile asks the timer for every k = 0..max_drafts (a CPU's t(k) is not monotone: fp32 on the 2-core
+    EPYC verifies 3 tokens slower than 4, so no k may be interpolated from its neighbours)."""
+    target = make_tiny_target("llama")
+    asked = []
+
+    def timer(target, tokens, length, counts, repeats):
+        asked.append(list(counts))
+        return [[1.0 + 0.1 * k] * repeats for k in counts]
+
+    monkeypatch.setattr(modeling_dspark, "_time_verify_passes", timer)
+    profile = modeling_dspark.measure_verify_profile(target, 5, context_lengths=(16, 32), repeats=4)
+    assert asked == [[0, 1, 2, 3, 4, 5]] * 2
+    assert profile.max_drafts == 5
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Online recalibration: the confidences learn, within and across generate calls, how often drafts really survive
+
+
+def test_online_bias_learns_from_the_drafts_verification_reached():
+    """Each reached draft (all before it accepted) is one outcome; drafts after the first rejection teach nothing."""
+    schedule = DSparkHardwareAwareSchedule(linear_profile(0.0), draft_time_s=0.0)
+    assert drafted(schedule, [0.5] * 3) == 3
+    assert schedule.observe_outcome(3, 0) == (pytest.approx(0.5), 0)  # draft 1 rejected: drafts 2, 3 never verified
+    assert schedule.bias == pytest.approx(-schedule.recalibration_rate * 0.5)
+    drafted(schedule, [0.5] * 3)
+    predicted, accepted = schedule.observe_outcome(3, 3)  # all three accepted: the bias rises again
+    assert accepted == 3 and schedule.bias > 0
+    for _ in range(500):  # a long run of misses lowers confidences, but never pins them at 0
+        drafted(schedule, [0.9] * 3)
+        schedule.observe_outcome(3, 0)
+    assert schedule.bias == -schedule.max_bias
+
+
+def test_lowered_confidences_draft_fewer_tokens():
+    """The same offline confidences, after the bias learned that they overstate survival, buy shorter blocks."""
+    trusting = DSparkHardwareAwareSchedule(linear_profile(0.3), draft_time_s=0.0)
+    doubtful = DSparkHardwareAwareSchedule(linear_profile(0.3), draft_time_s=0.0)
+    doubtful.bias = -1.5
+    assert drafted(trusting, [0.8] * 7) > drafted(doubtful, [0.8] * 7) > 0
+
+
+def test_online_bias_carries_over_between_generate_calls_of_one_decoding_setting():
+    """An untrained drafter's confident drafts are rejected: the greedy bias falls over the first call, the second
+    call starts where the first ended, sampling keeps its own; the text stays the target's own."""
+    target = make_tiny_target("llama")
+    drafter = scheduled_drafter(target, [1.0] * 6, confident=False)
+    with torch.no_grad():
+        drafter.confidence_head.proj.bias.fill_(2.0)  # c ≈ 0.88 for every draft of a random drafter
+    expected = greedy(target, PROMPTS[0], max_new_tokens=24, eos_token_id=None)
+    assert torch.equal(greedy(target, PROMPTS[0], max_new_tokens=24, eos_token_id=None, assistant_model=drafter), expected)
+    (key, first), = drafter.dspark_confidence_bias.items()
+    assert key[1] == "greedy" and first < 0
+    stats = drafter.last_generation_stats
+    assert stats.confidence_observed < stats.confidence_predicted  # the drafts survived less often than predicted
+    assert torch.equal(greedy(target, PROMPTS[0], max_new_tokens=24, eos_token_id=None, assistant_model=drafter), expected)
+    assert drafter.dspark_confidence_bias[key] < first
+    target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=8, do_sample=True, assistant_model=drafter)
+    assert len(drafter.dspark_confidence_bias) == 2 and drafter.dspark_confidence_bias[key] < first
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -296,7 +358,8 @@ def test_profile_is_measured_once_stored_under_hf_home_and_reused(profile_home, 
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "something else"}),
-                                     json.dumps({"format": modeling_dspark.PROFILE_FORMAT, "key": {}})])
+                                     json.dumps({"format": modeling_dspark.PROFILE_FORMAT, "key": {}}),
+                                     json.dumps({"format": "dspark-verify-profile/1", "key": {}})])  # older: interpolated
 def test_corrupt_profile_is_ignored_with_one_warning_and_remeasured(profile_home, warnings_seen, content):
     target = make_tiny_target("llama")
     path = Path(verify_profile_path(verify_profile_key(target)))

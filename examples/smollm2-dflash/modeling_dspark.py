@@ -19,6 +19,7 @@ import functools
 import glob
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -628,6 +629,9 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         # Drafting settings read by the candidate generator: `num_assistant_tokens` (max drafts per round),
         # `dspark_confidence_threshold` and `dspark_verify_cost` (confidence-scheduled block length, off by default).
         self.generation_config = GenerationConfig(num_assistant_tokens=config.num_draft_tokens)
+        # The hardware schedule's online confidence bias per decoding setting, kept across generate calls (clear it
+        # to start over, e.g. after switching to another kind of prompt).
+        self.dspark_confidence_bias: dict[tuple, float] = {}
         self.post_init()
         self.embed_tokens.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)
@@ -870,15 +874,14 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         return self._draft_rows(self.block_rows(cache, anchor_ids))
 
     def _markov_step(
-        self, base_logits: torch.Tensor, hidden: torch.Tensor, prev: torch.LongTensor, state: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Draft n's logits U_n + bias(prev, state) (1, V_d) from U_n (1, V_d) and its row (1, d); also W1[prev] (the
-        confidence head reads it) and the next Markov state."""
+        self, base_logits: torch.Tensor, hidden: torch.Tensor, prev_embeds: torch.Tensor | None, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft n's logits U_n + bias(prev, state) (1, V_d) from U_n (1, V_d), its row (1, d) and W1[prev] (1, r);
+        also the next Markov state."""
         if self.markov_head is None:
-            return base_logits, None, state
-        prev_embeds = self.markov_head.embed_previous(prev)
+            return base_logits, state
         bias, state = self.markov_head.step(hidden, prev_embeds, state)
-        return base_logits + bias.float(), prev_embeds, state
+        return base_logits + bias.float(), state
 
     def _calibrated_confidence(self, hidden: torch.Tensor, prev_embeds: torch.Tensor | None, n: int) -> torch.Tensor:
         """c_n = σ(confidence logit / T_n) (1,), with draft n's calibrated temperature T_n."""
@@ -894,17 +897,21 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         chooser: DSparkTokenChooser,
     ) -> DSparkDraftOutput:
         """The sequential stage: draft n = choice(U_n + bias(x_{n-1})), while the schedule admits its c_n."""
-        base_logits = self.lm_head(draft_hidden).float()  # (1, n, V_d)
+        base_logits = None  # U (1, n, V_d), computed once draft 1 is admitted: a round that drafts nothing skips it
         tokens, draft_logits, target_logits, confidences = [], [], [], []
         prev = anchor
         schedule.start()
         for n in range(draft_hidden.shape[1]):
-            logits, prev_embeds, state = self._markov_step(base_logits[:, n], draft_hidden[:, n], prev, state)
+            # c_n needs only W1[prev]: the schedule decides before the V_d-wide products (LM head, Markov bias) run
+            prev_embeds = self.markov_head.embed_previous(prev) if self.markov_head is not None else None
             if self.confidence_head is not None:
                 confidence = self._calibrated_confidence(draft_hidden[:, n], prev_embeds, n)
                 if not schedule.admit(float(confidence)):
                     break
                 confidences.append(confidence)
+            if base_logits is None:
+                base_logits = self.lm_head(draft_hidden).float()
+            logits, state = self._markov_step(base_logits[:, n], draft_hidden[:, n], prev_embeds, state)
             prev, scores = chooser.choose(logits)
             tokens.append(prev)
             draft_logits.append(logits)
@@ -977,7 +984,7 @@ class DSparkForDrafting(DSparkPreTrainedModel):
 # k drafts, stored per target/device/dtype/torch under the Hugging Face cache home, and a schedule that drafts the k
 # maximising expected committed tokens per second, deciding draft n from c_1..c_n only.
 
-PROFILE_FORMAT = "dspark-verify-profile/1"
+PROFILE_FORMAT = "dspark-verify-profile/2"  # /2: every k measured, no envelope (older files are re-measured)
 PROFILE_CONTEXT_LENGTHS = (128, 512)  # context lengths measured; others are interpolated
 PROFILE_REPEATS = 4  # timed repetitions per (context, k), after one warm-up pass
 PROFILE_MAX_SPREAD = 0.25  # a timing whose interquartile spread exceeds this fraction of its median is noise
@@ -1062,8 +1069,10 @@ class DSparkVerifyProfile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DSparkVerifyProfile":
         """Raises ValueError on anything that is not a well-formed profile."""
-        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        if not isinstance(data, dict) or not str(data.get("format", "")).startswith(PROFILE_FORMAT.split("/")[0]):
             raise ValueError("not a DSpark verify profile")
+        if data["format"] != PROFILE_FORMAT:
+            raise ValueError(f"format {data['format']}, this DSpark reads {PROFILE_FORMAT}")
         profile = cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
         rows = profile.verify_time_s + profile.spread_s
         if (
@@ -1079,8 +1088,9 @@ class DSparkVerifyProfile:
 
 def _is_noisy(times: list[float], spreads: list[float]) -> bool:
     """Too noisy to rank k: one timing's spread wider than PROFILE_MAX_SPREAD of its median, or the typical (median)
-    spread wider than PROFILE_TYPICAL_SPREAD. A consistent inversion, t(k+1) < t(k) with tight spreads, is no noise
-    (a CPU picks another matmul kernel for 3 rows than for 5); the monotone envelope of the profile absorbs it."""
+    spread wider than PROFILE_TYPICAL_SPREAD. A consistent inversion, t(k+1) < t(k) with tight spreads, is no noise:
+    a CPU picks another matmul kernel for 3 rows than for 4 (fp32 on a 2-core EPYC: 3 tokens verify slower than 4),
+    and the schedule should know it."""
     relative = sorted(s / t for t, s in zip(times, spreads))
     return relative[-1] > PROFILE_MAX_SPREAD or relative[len(relative) // 2] > PROFILE_TYPICAL_SPREAD
 
@@ -1088,28 +1098,6 @@ def _is_noisy(times: list[float], spreads: list[float]) -> bool:
 def _synchronize(device: torch.device):
     if device.type != "cpu" and hasattr(torch, device.type):
         getattr(torch, device.type).synchronize()
-
-
-def _measured_draft_counts(max_drafts: int) -> list[int]:
-    """k = 0, 1, 2, 4, ... and max_drafts: t(k) is near linear in k, so the rest is interpolated (keeps it short)."""
-    counts, k = {0, max_drafts}, 1
-    while k < max_drafts:
-        counts.add(k)
-        k *= 2
-    return sorted(counts)
-
-
-def _interpolate(points: list[int], values: list[float]) -> list[float]:
-    """Piecewise-linear values at every k = 0..points[-1] from values at the sorted `points`."""
-    out = []
-    for k in range(points[-1] + 1):
-        i = next(i for i, p in enumerate(points) if p >= k)
-        if points[i] == k:
-            out.append(values[i])
-        else:
-            w = (k - points[i - 1]) / (points[i] - points[i - 1])
-            out.append(values[i - 1] + w * (values[i] - values[i - 1]))
-    return out
 
 
 @torch.no_grad()
@@ -1141,8 +1129,9 @@ def measure_verify_profile(
     context_lengths: tuple[int, ...] = PROFILE_CONTEXT_LENGTHS,
     repeats: int = PROFILE_REPEATS,
 ) -> DSparkVerifyProfile:
-    """t(k) for k = 0..max_drafts at each context length, on random tokens: the median of `repeats` timings and
-    their interquartile spread; marked noisy when the timings cannot rank k (see `_is_noisy`)."""
+    """t(k) for every k = 0..max_drafts at each context length, on random tokens: the median of `repeats` timings
+    and their interquartile spread; marked noisy when the timings cannot rank k (see `_is_noisy`). Every k is timed,
+    none interpolated: on CPUs t(k) is not even monotone (small-matrix kernels change with the row count)."""
     started = time.perf_counter()
     text_config = target.config.get_text_config()
     limit = getattr(text_config, "max_position_embeddings", None) or max(context_lengths) + max_drafts + 1
@@ -1150,16 +1139,15 @@ def measure_verify_profile(
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, text_config.vocab_size, (1, lengths[-1] + max_drafts + 1), generator=generator)
     tokens = tokens.to(target.device)
-    counts = _measured_draft_counts(max_drafts)
+    counts = list(range(max_drafts + 1))
     medians, spreads, noisy = [], [], False
     for length in lengths:
         ordered = [sorted(s) for s in _time_verify_passes(target, tokens, length, counts, repeats)]
         times = [s[(len(s) - 1) // 2] for s in ordered]
         spread = [s[(3 * len(s) - 1) // 4] - s[len(s) // 4] for s in ordered]  # robust to one outlier in four
         noisy = noisy or _is_noisy(times, spread)
-        times = [max(times[: i + 1]) for i in range(len(times))]  # more tokens never verify faster
-        medians.append(_interpolate(counts, times))
-        spreads.append(_interpolate(counts, spread))
+        medians.append(times)
+        spreads.append(spread)
     return DSparkVerifyProfile(verify_profile_key(target), lengths, medians, spreads, noisy, time.perf_counter() - started)
 
 
@@ -1220,10 +1208,17 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
     profile at the current context length, rescaled by how fast verify passes actually run now (a shared machine
     drifts); the draft time is a running mean of the drafter's own time per round. On a noisy profile the schedule
     falls back to the calibrated threshold rule (admit while a_n ≥ `fallback_threshold`).
+
+    The confidences were calibrated offline on greedy drafts of the training domains; sampling (a draft survives
+    with probability Σ min(p, q), not 1[argmax match]) and unseen domains shift them. So each confidence gets a logit
+    bias learned online within the generate call (Platt scaling by SGD): every draft that verification reached (all
+    before it accepted) is one Bernoulli outcome of its c_n. The bias only uses finished rounds, so it stays lossless.
     """
 
     fallback_threshold = 0.5
     smoothing = 0.2  # weight of the newest observation in the running draft time and verify-speed scale
+    recalibration_rate = 0.1  # SGD step of the online logit bias per verified draft
+    max_bias = 4.0  # |bias| bound: a run of misses can lower confidences, never pin them at 0 or 1
 
     def __init__(self, profile: DSparkVerifyProfile, max_drafts: int | None = None, draft_time_s: float | None = None):
         self.profile = profile
@@ -1231,6 +1226,7 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         self.draft_time_s = draft_time_s
         self.verify_scale = 1.0
         self.context_length = profile.context_lengths[0]
+        self.bias = 0.0
         self.start()
 
     def observe_draft_time(self, seconds: float):
@@ -1242,8 +1238,21 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         if profiled > 0:
             self.verify_scale = self._smooth(self.verify_scale, seconds / profiled)
 
+    def observe_outcome(self, num_drafted: int, num_accepted: int) -> tuple[float, int]:
+        """After verification of this round's `num_drafted` drafts: nudge the bias toward the outcomes of the drafts
+        verification reached. Returns (Σ predicted c_n, accepted) over them, for live calibration stats."""
+        reached = self._admitted[: min(num_drafted, num_accepted + 1)]
+        for n, predicted in enumerate(reached, start=1):
+            self.bias += self.recalibration_rate * (float(n <= num_accepted) - predicted)
+        self.bias = min(max(self.bias, -self.max_bias), self.max_bias)
+        return sum(reached), min(num_accepted, len(reached))
+
     def _smooth(self, old: float, new: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * new
+
+    def _recalibrated(self, confidence: float) -> float:
+        confidence = min(max(confidence, 1e-6), 1 - 1e-6)
+        return 1.0 / (1.0 + math.exp(-(math.log(confidence / (1 - confidence)) + self.bias)))
 
     def start(self):
         draft = self.draft_time_s or 0.0
@@ -1252,11 +1261,13 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
             for k in range(self.max_drafts + 1)
         ]
         self._drafted, self.survival, self._expected = 0, 1.0, 1.0
+        self._admitted: list[float] = []  # recalibrated c_n of the drafts admitted this round
 
     def admit(self, confidence: float) -> bool:
         n = self._drafted + 1
         if n > self.max_drafts:
             return False
+        confidence = self._recalibrated(confidence)
         survival = self.survival * confidence
         if self.profile.noisy:
             admitted = survival >= self.fallback_threshold
@@ -1264,6 +1275,7 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
             admitted = self._best_ratio_from(n, survival, confidence) > self._expected / self._costs[n - 1]
         if admitted:
             self._drafted, self.survival, self._expected = n, survival, self._expected + survival
+            self._admitted.append(confidence)
         return admitted
 
     def _best_ratio_from(self, n: int, survival: float, confidence: float) -> float:
@@ -1321,6 +1333,8 @@ class DSparkGenerationStats:
     accepted: list[int] = field(default_factory=list)  # drafts accepted per round (bonus token not included)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    confidence_predicted: float = 0.0  # Σ recalibrated c_n over drafts verification reached (hardware schedule)
+    confidence_observed: int = 0  # ... and how many of them were accepted
 
     @property
     def rounds(self) -> int:
@@ -1361,6 +1375,8 @@ class DSparkGenerationStats:
             "accepted_histogram": self.accepted_histogram(),
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
+            "confidence_predicted": self.confidence_predicted,
+            "confidence_observed": self.confidence_observed,
         }
 
 
@@ -1383,6 +1399,13 @@ def _check_generation_limits(generation_config: GenerationConfig, batch_size: in
         )
     if batch_size is not None and batch_size != 1:
         raise ValueError(f"DSpark speculative decoding supports batch size 1, got {batch_size}; call generate once per prompt.")
+
+
+def _decoding_key(target: PreTrainedModel, generation_config: GenerationConfig) -> tuple:
+    """What a draft's survival depends on besides the text: the target's dtype and the decoding settings."""
+    if not generation_config.do_sample:
+        return (str(target.dtype), "greedy")
+    return (str(target.dtype), "sample", generation_config.temperature, generation_config.top_k, generation_config.top_p)
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
@@ -1420,6 +1443,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         # rows of the rounds it skipped wait in `_pending_aux` until it runs again.
         self.backoff = DSparkDrafterBackoff() if isinstance(self.schedule, DSparkHardwareAwareSchedule) else None
         self._pending_aux: list[torch.Tensor] = []
+        self.bias_key = _decoding_key(target, generation_config)
+        self._resume_confidence_bias()
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor if logits_processor else None
         self.stopping_criteria = _stops_inside_a_round(stopping_criteria)
@@ -1449,6 +1474,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if mode == "hardware" and threshold is None and verify_cost is None and self.drafter.confidence_head is not None:
             return make_hardware_schedule(self.drafter, target, self.num_drafts)
         return draft_schedule(threshold, verify_cost)
+
+    def _resume_confidence_bias(self):
+        """The hardware schedule's online confidence bias carries over between generate calls with the same decoding
+        settings (see `DSparkHardwareAwareSchedule`): each call starts from what the previous ones learned."""
+        if isinstance(self.schedule, DSparkHardwareAwareSchedule):
+            self.schedule.bias = self.drafter.dspark_confidence_bias.get(self.bias_key, 0.0)
 
     def _commit_context(self, input_ids: torch.LongTensor, model_outputs: ModelOutput | None) -> bool:
         """Append every position before the anchor that the drafter has not seen yet (aux states of the last verify).
@@ -1546,6 +1577,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
             self.stats.drafted.append(self._last_drafted)
             self.stats.accepted.append(int(num_matches))
+            if isinstance(self.schedule, DSparkHardwareAwareSchedule) and self._last_drafted:
+                predicted, observed = self.schedule.observe_outcome(self._last_drafted, int(num_matches))
+                self.stats.confidence_predicted += predicted
+                self.stats.confidence_observed += observed
+                self.drafter.dspark_confidence_bias[self.bias_key] = self.schedule.bias
         self._prefilled = True
 
 
