@@ -206,8 +206,8 @@ def _long_context(tokenizer, encoded, length: int) -> dict[str, torch.Tensor]:
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"machine: {report['machine']}", f"drafter: {report['drafter']}",
-             f"dtype: {report['dtype']} (drafters: {report.get('drafter_dtype', report['dtype'])})   max_new_tokens: {report['max_new_tokens']}   repetitions: "
-             f"{report['repetitions']} (interleaved, median)",
+             f"dtype: {report['dtype']} (drafters: {report.get('drafter_dtype', report['dtype'])})   "
+             f"max_new_tokens: {report['max_new_tokens']}   repetitions: {report['repetitions']} (interleaved, median)",
              f"assisted-lm = {report['assistant']}",
              f"prompt-lookup: prompt_lookup_num_tokens={report['prompt_lookup_num_tokens']}; "
              f"dspark-conf: confidence threshold {report['confidence_threshold']}"]

@@ -326,7 +326,8 @@ def _fmt(values, digits=3) -> str:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = [f"machine: {report['machine']}", f"target dtype: {report['dtype']}, drafter dtype (online): {report.get('drafter_dtype', report['dtype'])}"]
+    lines = [f"machine: {report['machine']}",
+             f"target dtype: {report['dtype']}, drafter dtype (online): {report.get('drafter_dtype', report['dtype'])}"]
     off = report.get("offline")
     if off:
         lines += [
@@ -381,7 +382,8 @@ def load_drafter(path: str, target=None, dtype: torch.dtype = torch.float32):
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     args.target = resolve_target(args.target, args.model)
     set_threads(args.threads)
-    report: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "drafter_dtype": args.drafter_dtype, "machine": machine_description(), "plots": {}}
+    report: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "drafter_dtype": args.drafter_dtype,
+                              "machine": machine_description(), "plots": {}}
     plots = Path(args.plots) if args.plots else None
     if plots:
         plots.mkdir(parents=True, exist_ok=True)

@@ -1211,8 +1211,9 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
 
     The confidences were calibrated offline on greedy drafts of the training domains; sampling (a draft survives
     with probability Σ min(p, q), not 1[argmax match]) and unseen domains shift them. So each confidence gets a logit
-    bias learned online within the generate call (Platt scaling by SGD): every draft that verification reached (all
-    before it accepted) is one Bernoulli outcome of its c_n. The bias only uses finished rounds, so it stays lossless.
+    bias learned online (Platt scaling by SGD; the candidate generator carries it from one generate call to the next
+    of the same decoding settings): every draft that verification reached (all before it accepted) is one Bernoulli
+    outcome of its c_n. The bias only uses finished rounds, so it stays lossless.
     """
 
     fallback_threshold = 0.5
