@@ -1578,12 +1578,18 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
             self.stats.drafted.append(self._last_drafted)
             self.stats.accepted.append(int(num_matches))
-            if isinstance(self.schedule, DSparkHardwareAwareSchedule) and self._last_drafted:
-                predicted, observed = self.schedule.observe_outcome(self._last_drafted, int(num_matches))
-                self.stats.confidence_predicted += predicted
-                self.stats.confidence_observed += observed
-                self.drafter.dspark_confidence_bias[self.bias_key] = self.schedule.bias
+            self._learn_confidence_bias(int(num_matches))
         self._prefilled = True
+
+    def _learn_confidence_bias(self, num_accepted: int):
+        """Feed this round's verified drafts to the schedule's online bias, count them in the stats, and keep the
+        bias on the drafter for the next call (see `_resume_confidence_bias`)."""
+        if not isinstance(self.schedule, DSparkHardwareAwareSchedule) or not self._last_drafted:
+            return
+        predicted, observed = self.schedule.observe_outcome(self._last_drafted, num_accepted)
+        self.stats.confidence_predicted += predicted
+        self.stats.confidence_observed += observed
+        self.drafter.dspark_confidence_bias[self.bias_key] = self.schedule.bias
 
 
 # ------------------------------------------------------------------------------------------------------------------
