@@ -151,11 +151,34 @@ dflash_job=$!
 wait "$dspark_job"  # set -e: a failed training stops the script here
 wait "$dflash_job"
 if [ ! -d "$WORK/train-dspark/drafter" ] || [ ! -d "$WORK/train-dflash/drafter" ]; then
-  stage "training stopped after MAX_STEPS_PER_RUN=$MAX_STEPS_PER_RUN steps; rerun \`make drafter\` to continue"; exit 0
+  stage "training stopped after MAX_STEPS_PER_RUN=${MAX_STEPS_PER_RUN:-} steps; rerun \`make drafter\` to continue"; exit 0
+fi
+
+# A second cosine cycle (a warm restart at half the peak rate) from the trained weights, for both drafters alike:
+# the first cycle ends with τ still rising and no gap between training and validation τ, so more steps pay.
+CONTINUE_STEPS=${CONTINUE_STEPS:-2000}
+DSPARK_TRAINED=$WORK/train-dspark/drafter; DFLASH_TRAINED=$WORK/train-dflash/drafter
+if (( CONTINUE_STEPS > 0 )); then
+  stage "5b/8 continue both drafters $CONTINUE_STEPS more steps (warm restart from their weights, lr 5e-4), side by side"
+  CONTINUE=(--max-steps "$CONTINUE_STEPS" --learning-rate 5e-4)
+  # shellcheck disable=SC2086
+  train "$WORK/continue-dspark" $SIZE_FLAGS --markov-head-type vanilla --init-from "$DSPARK_TRAINED" "${CONTINUE[@]}" \
+    > "$WORK/continue-dspark.log" 2>&1 &
+  dspark_job=$!
+  # shellcheck disable=SC2086
+  train "$WORK/continue-dflash" $SIZE_FLAGS --markov-rank 0 --no-confidence-head --init-from "$DFLASH_TRAINED" \
+    "${CONTINUE[@]}" > "$WORK/continue-dflash.log" 2>&1 &
+  dflash_job=$!
+  wait "$dspark_job"
+  wait "$dflash_job"
+  DSPARK_TRAINED=$WORK/continue-dspark/drafter; DFLASH_TRAINED=$WORK/continue-dflash/drafter
+  if [ ! -d "$DSPARK_TRAINED" ] || [ ! -d "$DFLASH_TRAINED" ]; then
+    stage "training stopped after MAX_STEPS_PER_RUN=${MAX_STEPS_PER_RUN:-} steps; rerun \`make drafter\` to continue"; exit 0
+  fi
 fi
 
 stage "6/8 calibrate the confidence head (STS on the multi-domain validation cache)"
-[ -d "$WORK/dspark-calibrated" ] || $CLI calibrate --model "$WORK/train-dspark/drafter" --cache "$WORK/cache-validation" \
+[ -d "$WORK/dspark-calibrated" ] || $CLI calibrate --model "$DSPARK_TRAINED" --cache "$WORK/cache-validation" \
   --target smollm2 --output-dir "$WORK/dspark-calibrated" | tee "$WORK/calibration.txt"
 
 stage "7/8 export bf16 drafters (embed_tokens/lm_head omitted, bound from the target at load)"
@@ -166,7 +189,7 @@ m = DSparkForDrafting.from_pretrained(sys.argv[1], dtype=torch.bfloat16)  # d2t/
 assert m.config.bind_target_embeddings; m.generation_config.dspark_schedule = sys.argv[3]; m.save_pretrained(sys.argv[2])' "$1" "$2" "$3"
 }
 to_bf16 "$WORK/dspark-calibrated" "$OUT_DSPARK" hardware
-to_bf16 "$WORK/train-dflash/drafter" "$OUT_DFLASH" fixed
+to_bf16 "$DFLASH_TRAINED" "$OUT_DFLASH" fixed
 
 stage "8/8 eval (offline on the validation cache) and bench per domain (test-split prompts; HumanEval held out)"
 EVAL=(--cache "$WORK/cache-validation" --num-prompts 0 --threads "$THREADS")
@@ -182,5 +205,5 @@ BENCH=(--model "$OUT_DSPARK" --dflash "$OUT_DFLASH" --prompts chitchat wordnet-n
   --methods plain prompt-lookup dflash dspark-fixed dspark --json "$OUT_DSPARK/bench-bf16.json"
 [ -f "$OUT_DSPARK/bench-fp32.json" ] || $CLI bench "${BENCH[@]}" --dtype float32 --num-prompts "${BENCH_PROMPTS_FP32:-2}" \
   --methods plain dspark --json "$OUT_DSPARK/bench-fp32.json"
-$PY examples/model_card.py "$OUT_DSPARK" "$WORK" "$OUT_DFLASH" "$(( $(date +%s) - START ))" "$STEPS" "$SIZE"
+$PY examples/model_card.py "$OUT_DSPARK" "$WORK" "$OUT_DFLASH" "$(( $(date +%s) - START ))" "$STEPS CONTINUE_STEPS=$CONTINUE_STEPS" "$SIZE"
 stage "done: $OUT_DSPARK ($(du -sh "$OUT_DSPARK" | cut -f1)), $OUT_DFLASH ($(du -sh "$OUT_DFLASH" | cut -f1))"

@@ -10,6 +10,7 @@ from conftest import TINY_ARCHITECTURES, make_drafter, make_tiny_target
 from transformers import AutoModelForCausalLM
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
+from transformers.generation.logits_process import TopPLogitsWarper
 
 from dspark_hf import DSparkDraftOutput
 from dspark_hf.remote_code import modeling_dspark
@@ -118,13 +119,16 @@ SAMPLES = 900
 ALPHA = 1e-3
 
 
-def exact_pair_distribution(target, temperature: float) -> torch.Tensor:
+def exact_pair_distribution(target, temperature: float, top_p: float | None = None) -> torch.Tensor:
     """P(t2, t3) of plain sampling (3 new tokens, t1 marginalized), by enumerating every continuation."""
     V = SAMPLING_VOCAB
     triples = torch.tensor(list(itertools.product(range(V), repeat=3)))
     sequences = torch.cat([torch.tensor(SAMPLING_PROMPT).expand(len(triples), -1), triples], dim=1)
     with torch.no_grad():
-        logprobs = torch.log_softmax(target(sequences).logits.double() / temperature, dim=-1)
+        logits = target(sequences).logits.double() / temperature
+        if top_p is not None:  # applied after the temperature, as generate does
+            logits = TopPLogitsWarper(top_p)(None, logits.reshape(-1, V)).reshape(logits.shape)
+        logprobs = torch.log_softmax(logits, dim=-1)
     L = len(SAMPLING_PROMPT)
     joint = sum(logprobs[torch.arange(len(triples)), L - 1 + i, triples[:, i]] for i in range(3)).exp()
     return joint.reshape(V, V, V).sum(0)  # (t2, t3)
@@ -143,22 +147,23 @@ def chi_square_p_value(counts: torch.Tensor, probabilities: torch.Tensor) -> flo
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic / 2.0))
 
 
-def sample_pairs(target, drafter, temperature: float, seed: int) -> torch.Tensor:
+def sample_pairs(target, drafter, temperature: float, seed: int, **options) -> torch.Tensor:
     counts = torch.zeros(SAMPLING_VOCAB, SAMPLING_VOCAB)
     torch.manual_seed(seed)
     prompt = torch.tensor([SAMPLING_PROMPT])
     for _ in range(SAMPLES):
         out = target.generate(
             prompt, max_new_tokens=3, do_sample=True, temperature=temperature, top_k=0, eos_token_id=None,
-            pad_token_id=0, assistant_model=drafter,
+            pad_token_id=0, assistant_model=drafter, **options,
         )
         counts[out[0, -2], out[0, -1]] += 1
     return counts
 
 
-def sampling_setup(markov_head_type: str):
+def sampling_setup(markov_head_type: str, **drafter_options):
     target = make_tiny_target("llama", vocab_size=SAMPLING_VOCAB, layers=2, seed=11)
-    drafter = make_drafter(target, block_size=3, mask_token_id=SAMPLING_VOCAB - 1, markov_head_type=markov_head_type, seed=5)
+    drafter = make_drafter(target, block_size=3, mask_token_id=SAMPLING_VOCAB - 1, markov_head_type=markov_head_type, seed=5,
+                           **drafter_options)
     with torch.no_grad():  # a strong Markov bias, so that forgetting it in q would show
         drafter.markov_head.markov_w1.weight.normal_(0, 1.5)
         drafter.markov_head.markov_w2.weight.normal_(0, 1.5)
@@ -174,6 +179,17 @@ def test_sampling_matches_plain_sampling(markov_head_type, temperature):
     assert stats.rounds > 0
     p_value = chi_square_p_value(counts, reference)
     assert p_value > ALPHA, f"speculative sampling drifted from plain sampling (χ² p = {p_value:.2e})"
+
+
+def test_sampling_on_a_smaller_draft_vocabulary_with_top_p_matches_plain_sampling():
+    """Drafts drawn and warped (temperature, top-p) on a 4-token draft vocabulary of the 6-token target: q scattered
+    to the target vocabulary, zero on the two tokens the drafter cannot propose, which only the residual can give."""
+    target, drafter = sampling_setup("vanilla", draft_vocab_size=4)
+    assert drafter.draft_to_target_ids.tolist() == [0, 1, 2, 4]
+    reference = exact_pair_distribution(target, 0.8, top_p=0.9)
+    p_value = chi_square_p_value(sample_pairs(target, drafter, 0.8, seed=2, top_p=0.9), reference)
+    assert drafter.last_generation_stats.rounds > 0
+    assert p_value > ALPHA, f"speculative sampling on a draft vocabulary drifted from plain sampling (χ² p = {p_value:.2e})"
 
 
 def test_sampling_test_fails_when_q_skips_the_markov_bias():

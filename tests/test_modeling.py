@@ -249,6 +249,29 @@ def test_vanilla_bias_depends_on_the_previous_token_only():
     assert torch.equal(changed[1], head.block_bias(h1[:, None], prev[:, None])[1])
 
 
+def test_inference_reuses_a_recent_tokens_bias_row_until_the_weights_change():
+    """The vanilla bias is a function of the previous token: drafting reuses the row computed for it (bit-identical,
+    no read of W2), keeps at most `bias_cache_bytes` of rows, and recomputes after any change to W1 or W2."""
+    target = make_tiny_target("llama")
+    head = make_drafter(target).markov_head
+    h1, h2 = torch.randn(1, 64), torch.randn(1, 64)
+    prev = head.embed_previous(torch.tensor([5]))
+    with torch.no_grad():
+        first, _ = head.token_step(h1, 5, prev, None)
+        again, _ = head.token_step(h2, 5, prev, None)
+        assert again is first and torch.equal(first, head.step(h1, prev, None)[0])
+        head.markov_w2.weight.mul_(2.0)  # an optimizer step or a load changes the weights in place
+        changed, _ = head.token_step(h1, 5, prev, None)
+        assert changed is not first and torch.equal(changed, head.step(h1, prev, None)[0])
+        head.bias_cache_bytes = 3 * changed.numel() * changed.element_size()
+        for token in range(10):
+            head.token_step(h1, token, head.embed_previous(torch.tensor([token])), None)
+        assert list(head._bias_rows) == [7, 8, 9]  # least recently used rows go first
+        gated = make_drafter(target, markov_head_type="gated").markov_head
+        prev = gated.embed_previous(torch.tensor([5]))
+        assert not torch.equal(gated.token_step(h1, 5, prev, None)[0], gated.token_step(h2, 5, prev, None)[0])
+
+
 def test_rnn_bias_carries_state_and_gated_bias_reads_the_hidden_row():
     target = make_tiny_target("llama")
     rnn = make_drafter(target, markov_head_type="rnn").markov_head

@@ -211,6 +211,25 @@ def test_warm_start_from_zlab_dflash_checkpoint_adds_heads(tmp_path):
     assert torch.equal(drafter.lm_head.weight, target.lm_head.weight[drafter.draft_to_target_ids])
 
 
+def test_warm_start_on_the_same_draft_vocab_keeps_every_trained_tensor(tmp_path):
+    """A continued run (`--init-from` a trained drafter, `--draft-vocab` its own mapping) starts from all its weights,
+    the Markov head's vocabulary rows included; a different vocabulary re-initialises those rows."""
+    from dspark_hf.training.build import build_drafter
+
+    trained = _weights(trained_run()["drafter"])
+    warm = build_drafter(tiny_args(tmp_path, init_from=str(trained_run()["drafter"])), AUX).state_dict()
+    for name, value in trained.items():
+        assert torch.equal(warm[name], value), name
+    shuffled = tmp_path / "other_vocab.safetensors"
+    d2t = trained["d2t"].clone()
+    d2t[-1] += 1  # the last draft id now maps to the next target id
+    t2d = torch.zeros_like(trained["t2d"])
+    t2d[torch.arange(d2t.numel()) + d2t] = True
+    save_draft_vocab(shuffled, d2t, t2d)
+    fresh = build_drafter(tiny_args(tmp_path, init_from=str(trained_run()["drafter"]), draft_vocab=str(shuffled)), AUX)
+    assert not torch.equal(fresh.state_dict()["markov_head.markov_w2.weight"], trained["markov_head.markov_w2.weight"])
+
+
 def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     from dspark_hf.cli import main
 

@@ -144,11 +144,19 @@ def _check_shapes(drafter, state: dict[str, torch.Tensor], source: Path) -> None
         )
 
 
+def _same_draft_vocab(state: dict[str, torch.Tensor], vocab) -> bool:
+    """Whether `--draft-vocab` is the checkpoint's own mapping (a continued run), not a new vocabulary."""
+    d2t = state.get("d2t")
+    return d2t is not None and d2t.shape == vocab[0].shape and torch.equal(d2t.long(), vocab[0].long())
+
+
 def warm_start(source: Path, overrides: dict[str, Any], vocab, target, log=print) -> DSparkForDrafting:
     """A drafter initialised from `source`; a new draft vocabulary replaces the old head rows and maps."""
     checkpoint = read_warm_start(source)
     drafter = DSparkForDrafting(warm_start_config(checkpoint.config, overrides))
     state = dict(checkpoint.tensors)
+    if vocab is not None and _same_draft_vocab(state, vocab):
+        vocab = None  # continuing on the checkpoint's own vocabulary: its trained Markov rows stay
     if vocab is not None:
         for key in ("lm_head.weight", "d2t", "t2d", "markov_head.markov_w2.weight"):
             state.pop(key, None)

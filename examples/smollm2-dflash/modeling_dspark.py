@@ -22,6 +22,7 @@ import json
 import math
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -253,13 +255,18 @@ class DSparkDecoderLayer(nn.Module):
 
 
 class DSparkVanillaMarkovHead(nn.Module):
-    """bias = W2 · W1[prev]."""
+    """bias = W2 · W1[prev]: a function of the previous token alone, so inference reuses the rows of recent tokens."""
+
+    bias_depends_on_token_only = True
+    bias_cache_bytes = 32 * 2**20  # each row costs a read of all of W2 (V_d·r) to compute, and V_d values to keep
 
     def __init__(self, config: DSparkConfig):
         super().__init__()
         self.markov_rank = config.markov_rank
         self.markov_w1 = nn.Embedding(config.vocab_size, config.markov_rank)  # indexed by target ids
         self.markov_w2 = nn.Linear(config.markov_rank, config.draft_vocab_size, bias=False)
+        self._bias_rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # previous token id -> bias (1, V_d), LRU
+        self._bias_rows_stamp: tuple | None = None
 
     def embed_previous(self, prev_ids: torch.LongTensor) -> torch.Tensor:
         return self.markov_w1(prev_ids)  # (..., r)
@@ -280,9 +287,39 @@ class DSparkVanillaMarkovHead(nn.Module):
         """Teacher-forced bias for all drafts at once: hidden (..., N, d), prev_embeds (..., N, r) -> (..., N, V_d)."""
         return self.step(hidden_states, prev_embeds, state)[0]
 
+    def token_step(
+        self, hidden_states: torch.Tensor, prev_id: int, prev_embeds: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`step` for one draft at inference. When the bias depends on the previous token alone, a token seen recently
+        gets the very row computed then (bit-identical); the rows are dropped whenever W1 or W2 change."""
+        stamp = self._weights_stamp() if self.bias_depends_on_token_only else None
+        if stamp is None:
+            return self.step(hidden_states, prev_embeds, state)
+        if stamp != self._bias_rows_stamp:
+            self._bias_rows.clear()
+            self._bias_rows_stamp = stamp
+        row = self._bias_rows.get(prev_id)
+        if row is None:
+            row = self.step(hidden_states, prev_embeds, state)[0]
+            self._bias_rows[prev_id] = row
+            if len(self._bias_rows) * row.numel() * row.element_size() > self.bias_cache_bytes:
+                self._bias_rows.popitem(last=False)
+        else:
+            self._bias_rows.move_to_end(prev_id)
+        return row, state
+
+    def _weights_stamp(self) -> tuple | None:
+        """Identity and in-place version of W1 and W2 (an optimizer step or a load bumps it); None where not tracked."""
+        try:
+            return tuple((w.data_ptr(), w._version, w.dtype) for w in (self.markov_w1.weight, self.markov_w2.weight))
+        except RuntimeError:  # inference-mode tensors keep no version counter: compute every row
+            return None
+
 
 class DSparkGatedMarkovHead(DSparkVanillaMarkovHead):
     """bias = W2 (σ(gate_proj([ĥ; W1[prev]])) ⊙ W1[prev])."""
+
+    bias_depends_on_token_only = False
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
@@ -299,6 +336,8 @@ class DSparkRNNMarkovHead(DSparkVanillaMarkovHead):
     The state starts at zero on slot 0 of the block: under the DFlash slot convention slot 0 (the anchor's row, which
     drafts nothing) takes one step with W1[anchor] before draft 1, as in speculators.
     """
+
+    bias_depends_on_token_only = False
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
@@ -422,12 +461,19 @@ def _sampling_warpers(temperature: float, top_k: int | None, top_p: float | None
     return warpers
 
 
+# Warpers that read nothing but the scores' probabilities: on the draft vocabulary they keep and rescale exactly the
+# tokens they would keep among the same logits scattered to the target vocabulary (-inf elsewhere has probability 0).
+_VOCAB_AGNOSTIC_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
 class DSparkTokenChooser:
     """Chooses draft tokens from their Markov-corrected logits (1, V_d), one draft at a time.
 
-    Greedy without processors: the argmax over the draft vocabulary. Otherwise the logits are scattered to the target
-    vocabulary (-inf outside the draft vocab) and processed with the target's own processors, which read the drafts
-    so far; the token is their argmax or a sample, and the processed scores are the q that rejection sampling needs.
+    Greedy without processors: the argmax over the draft vocabulary. Sampling with only probability warpers
+    (temperature, top-k, top-p, min-p): warped and drawn on the draft vocabulary, V_d wide rather than V_t. Any other
+    processor reads target ids and the drafts so far, so the logits are scattered to the target vocabulary (-inf
+    outside the draft vocab) and processed there. Either way the processed scores are the q that rejection sampling
+    needs; `target_scores` gives them on the target vocabulary.
     """
 
     def __init__(
@@ -441,22 +487,36 @@ class DSparkTokenChooser:
     ):
         self.draft_to_target, self.vocab_size, self.sequence = draft_to_target, vocab_size, sequence
         self.do_sample, self.logits_processor, self.generator = do_sample, logits_processor, generator
+        self.on_draft_vocab = all(isinstance(p, _VOCAB_AGNOSTIC_WARPERS) for p in logits_processor or ())
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        """Draft logits (1, V_d) -> target id (1,) and the processed target-vocab scores (1, V_t), or None if greedy."""
+        """Draft logits (1, V_d) -> target id (1,) and the processed scores (1, V_d or V_t), or None if greedy."""
         if not (self.do_sample or self.logits_processor):
             return self.draft_to_target[logits.argmax(dim=-1)], None
+        if self.on_draft_vocab:
+            scores = self.logits_processor(self.sequence, logits) if self.logits_processor else logits
+            return self.draft_to_target[self._pick(scores)], scores
         scores = logits.new_full((1, self.vocab_size), float("-inf"))
         scores[:, self.draft_to_target] = logits
         if self.logits_processor:
             scores = self.logits_processor(self.sequence, scores)
-        if self.do_sample:
-            token = torch.multinomial(F.softmax(scores, dim=-1), 1, generator=self.generator).reshape(1)
-        else:
-            token = scores.argmax(dim=-1)
+        token = self._pick(scores)
         if self.logits_processor:  # processors such as repetition penalty read the drafts so far
             self.sequence = torch.cat([self.sequence, token.reshape(1, 1)], dim=-1)
         return token, scores
+
+    def _pick(self, scores: torch.Tensor) -> torch.LongTensor:
+        if self.do_sample:
+            return torch.multinomial(F.softmax(scores, dim=-1), 1, generator=self.generator).reshape(1)
+        return scores.argmax(dim=-1)
+
+    def target_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Stacked scores of `choose` (1, n, V_d or V_t) on the target vocabulary (1, n, V_t), -inf outside V_d."""
+        if not self.on_draft_vocab:
+            return scores
+        full = scores.new_full((*scores.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.draft_to_target] = scores
+        return full
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -874,13 +934,18 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         return self._draft_rows(self.block_rows(cache, anchor_ids))
 
     def _markov_step(
-        self, base_logits: torch.Tensor, hidden: torch.Tensor, prev_embeds: torch.Tensor | None, state: torch.Tensor | None
+        self,
+        base_logits: torch.Tensor,
+        hidden: torch.Tensor,
+        prev: torch.LongTensor,
+        prev_embeds: torch.Tensor | None,
+        state: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft n's logits U_n + bias(prev, state) (1, V_d) from U_n (1, V_d), its row (1, d) and W1[prev] (1, r);
-        also the next Markov state."""
+        """Draft n's logits U_n + bias(prev, state) (1, V_d) from U_n (1, V_d), its row (1, d), the previous token
+        (1,) and W1[prev] (1, r); also the next Markov state."""
         if self.markov_head is None:
             return base_logits, state
-        bias, state = self.markov_head.step(hidden, prev_embeds, state)
+        bias, state = self.markov_head.token_step(hidden, int(prev), prev_embeds, state)
         return base_logits + bias.float(), state
 
     def _calibrated_confidence(self, hidden: torch.Tensor, prev_embeds: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -911,7 +976,7 @@ class DSparkForDrafting(DSparkPreTrainedModel):
                 confidences.append(confidence)
             if base_logits is None:
                 base_logits = self.lm_head(draft_hidden).float()
-            logits, state = self._markov_step(base_logits[:, n], draft_hidden[:, n], prev_embeds, state)
+            logits, state = self._markov_step(base_logits[:, n], draft_hidden[:, n], prev, prev_embeds, state)
             prev, scores = chooser.choose(logits)
             tokens.append(prev)
             draft_logits.append(logits)
@@ -921,7 +986,7 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         return DSparkDraftOutput(
             token_ids=torch.stack(tokens, dim=1) if tokens else anchor.new_zeros((1, 0)),
             draft_logits=torch.stack(draft_logits, dim=1) if draft_logits else None,
-            target_logits=torch.stack(target_logits, dim=1) if target_logits else None,
+            target_logits=chooser.target_scores(torch.stack(target_logits, dim=1)) if target_logits else None,
             confidences=confidences,
             survival=torch.cumprod(confidences.double(), dim=-1).to(confidences.dtype) if confidences is not None else None,
         )
