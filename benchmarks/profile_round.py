@@ -6,11 +6,11 @@ drafter pass), chitchat test prompts, greedy. Each stage is timed by wrapping it
 - verify: the target's forward on the candidates (the prefill is excluded);
 - hand-off: the generator slicing the verify pass's aux hidden states of newly committed positions;
 - context: `extend_context` (fuse + K/V of the committed positions);
-- parallel: `block_hidden_states` (the one parallel block pass);
+- parallel: `block_rows` (the one parallel block pass);
 - markov: the rest of `draft_block` (Markov head, confidence head, token choice, left to right);
 - transformers: everything else in the round (the assisted loop's own bookkeeping).
 
-Part 2 (k = 0 rounds): plain greedy vs assisted rounds that never draft: (a) a generator that returns no candidates
+`--sample` runs part 1 at T = 1. Part 2 (k = 0 rounds): plain greedy vs assisted rounds that never draft: (a) a generator that returns no candidates
 and never runs a drafter (transformers' assisted loop alone), (b) the drafter with the hardware schedule forced to
 k = 0 and the back-off on (the shipped behaviour when drafting does not pay), (c) the same with the back-off off (a
 drafter pass every round). Prompts × repetitions interleaved; medians of per-token wall time and of this process's
@@ -58,7 +58,12 @@ class Timers:
         return original
 
 
-def round_breakdown(target, drafter, encoded, max_new_tokens: int) -> dict:
+def sampling_options(do_sample: bool) -> dict:
+    """T = 1 with no top-k/top-p (the bench's sampling mode), or greedy."""
+    return dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if do_sample else dict(do_sample=False)
+
+
+def round_breakdown(target, drafter, encoded, max_new_tokens: int, do_sample: bool = False) -> dict:
     timers = Timers()
     drafter.generation_config.dspark_schedule = "fixed"
     verify_start = {}
@@ -78,13 +83,14 @@ def round_breakdown(target, drafter, encoded, max_new_tokens: int) -> dict:
     generator_class = modeling_dspark.DSparkCandidateGenerator
     original_get = timers.wrap(generator_class, "get_candidates", "get_candidates")
     originals = {name: timers.wrap(drafter, name, stage) for name, stage in
-                 [("extend_context", "context"), ("block_hidden_states", "parallel"), ("draft_block", "draft_block")]}
+                 [("extend_context", "context"), ("block_rows", "parallel"), ("draft_block", "draft_block")]}
     total, rounds, tokens = 0.0, 0, 0
     try:
         for inputs in encoded:
             start = time.perf_counter()
-            out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter,
-                                  pad_token_id=target.generation_config.eos_token_id)
+            torch.manual_seed(0)
+            out = target.generate(**inputs, max_new_tokens=max_new_tokens, assistant_model=drafter,
+                                  pad_token_id=target.generation_config.eos_token_id, **sampling_options(do_sample))
             total += time.perf_counter() - start
             rounds += drafter.last_generation_stats.rounds
             tokens += out.shape[1] - inputs["input_ids"].shape[1] - 1  # the prefill's token is not a round's
@@ -165,6 +171,8 @@ def main():
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repetitions", type=int, default=3, help="of part 2")
+    parser.add_argument("--sample", action="store_true", help="part 1 at T = 1 (draws, warping and q on the draft side)")
+    parser.add_argument("--skip-k0", action="store_true", help="part 1 only")
     args = parser.parse_args()
 
     from dspark_hf.assets import load_smollm2
@@ -175,10 +183,10 @@ def main():
     encoded = [encode_prompt(tokenizer, p) for p in held_out_prompts(["chitchat"], "test", args.num_prompts)]
     context = statistics.mean(e["input_ids"].shape[1] for e in encoded)
     print(f"{machine_description()}; SmolLM2-135M-Instruct {args.dtype}; {len(encoded)} chitchat test prompts "
-          f"(mean prompt {context:.0f} tokens), {args.max_new_tokens} new tokens, greedy")
+          f"(mean prompt {context:.0f} tokens), {args.max_new_tokens} new tokens, part 1 {'T = 1' if args.sample else 'greedy'}")
 
     target.generate(**encoded[0], max_new_tokens=8, do_sample=False, assistant_model=drafter)  # warm-up
-    report = round_breakdown(target, drafter, encoded, args.max_new_tokens)
+    report = round_breakdown(target, drafter, encoded, args.max_new_tokens, args.sample)
     ms = report["ms_per_round"]
     round_ms = sum(ms.values())
     print(f"\none round (fixed blocks of {drafter.num_draft_tokens} drafts), {report['rounds']} rounds, "
@@ -187,6 +195,8 @@ def main():
     for stage in STAGES:
         print(f"{stage:<14}{ms[stage]:8.2f}{ms[stage] / round_ms:8.1%}")
 
+    if args.skip_k0:
+        return
     costs = k0_costs(target, drafter, encoded[: max(2, len(encoded) // 2)], args.max_new_tokens, args.repetitions)
     print(f"\nrounds that draft nothing vs plain greedy ({args.repetitions} repetitions, medians)")
     print(f"{'method':<28}{'wall ms/token':>14}{'vs plain':>10}{'CPU ms/token':>14}{'vs plain':>10}")

@@ -4,7 +4,8 @@
 #   regenerate (SmolLM2 answers prompts of four domains, half greedy, half sampled at T = 0.8; train split only)
 #   -> cache (teacher-forced hidden states: training cache, and a multi-domain validation cache kept apart)
 #   -> vocab (draft vocabulary) -> size (candidate sizes trained briefly, the fastest per domain by measurement)
-#   -> train DSpark and the DFlash-only baseline of that size (heads off, same budget)
+#   -> train DSpark and the DFlash-only baseline of that size (heads off, same budget), then continue both for a
+#      second cosine cycle from their weights (CONTINUE_STEPS, a warm restart at half the peak learning rate)
 #   -> calibrate (Sequential Temperature Scaling on the validation cache) -> export bf16
 #   -> eval, bench per domain (HumanEval is held out of training entirely) -> model card
 #
@@ -19,9 +20,10 @@
 # hours of both cores; the other stages about 2 hours at STEPS=3000 (training ~1.2-1.5 s/step, the two drafters side
 # by side; the shipped run reused the earlier cache and sizing: 100 min from there). THREADS per job, STEPS and SIZE
 # (percent of each domain's prompts) trade quality for time; BENCH_PROMPTS / BENCH_REPS size the final benchmark.
-# Growing SIZE later changes the training data: delete $WORK/cache-train, size-*, train-* and the outputs first.
+# Growing SIZE later changes the training data: delete $WORK/cache-train, size-*, train-*, continue-*, sizing.json,
+# dspark-calibrated, eval-dflash.json and the outputs first (the regenerated JSONL is kept and extended).
 # A smoke run of the whole pipeline: WORK=/tmp/d OUT_DSPARK=/tmp/d/dspark OUT_DFLASH=/tmp/d/dflash SIZE=1 VALIDATION=2
-# STEPS=10 SIZING_STEPS=2 SIZING_PROMPTS=1 BENCH_PROMPTS=1 BENCH_REPS=1
+# STEPS=10 CONTINUE_STEPS=5 SIZING_STEPS=2 SIZING_PROMPTS=1 BENCH_PROMPTS=1 BENCH_REPS=1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,7 +33,8 @@ WORK=${WORK:-build/smollm2-drafter}
 OUT_DSPARK=${OUT_DSPARK:-examples/smollm2-dspark}
 OUT_DFLASH=${OUT_DFLASH:-examples/smollm2-dflash}
 THREADS=${THREADS:-1}                 # 1 thread per job beats 2 oversubscribed ones on a shared 2-core box
-STEPS=${STEPS:-3000}                   # the shipped drafter's (1,200 steps: offline τ 1.56; 3,000: 1.78)
+STEPS=${STEPS:-3000}                   # first cycle (1,200 steps: offline τ 1.56; 3,000: 1.78)
+CONTINUE_STEPS=${CONTINUE_STEPS:-2000} # second cycle from the first's weights (0 skips it)
 SIZE=${SIZE:-37}                       # percent of each domain's prompts below (37: 3,860 conversations, 457k assistant tokens; 75: ~0.9M)
 VALIDATION=${VALIDATION:-16}           # validation conversations per corpus (calibration and offline eval)
 BENCH_PROMPTS=${BENCH_PROMPTS:-3}; BENCH_REPS=${BENCH_REPS:-1}
@@ -156,7 +159,6 @@ fi
 
 # A second cosine cycle (a warm restart at half the peak rate) from the trained weights, for both drafters alike:
 # the first cycle ends with τ still rising and no gap between training and validation τ, so more steps pay.
-CONTINUE_STEPS=${CONTINUE_STEPS:-2000}
 DSPARK_TRAINED=$WORK/train-dspark/drafter; DFLASH_TRAINED=$WORK/train-dflash/drafter
 if (( CONTINUE_STEPS > 0 )); then
   stage "5b/8 continue both drafters $CONTINUE_STEPS more steps (warm restart from their weights, lr 5e-4), side by side"
