@@ -272,6 +272,21 @@ def test_inference_reuses_a_recent_tokens_bias_row_until_the_weights_change():
         assert not torch.equal(gated.token_step(h1, 5, prev, None)[0], gated.token_step(h2, 5, prev, None)[0])
 
 
+def test_bias_rows_are_not_reused_when_an_adapter_wraps_the_markov_head():
+    """A PEFT adapter on W2 can change (training) or switch without touching W2 itself: no row is reused then."""
+    from peft import LoraConfig, get_peft_model
+
+    target = make_tiny_target("llama")
+    model = get_peft_model(make_drafter(target), LoraConfig(r=2, target_modules=["markov_w2"]))
+    head = model.base_model.model.markov_head
+    h, prev = torch.randn(1, 64), head.embed_previous(torch.tensor([5]))
+    with torch.no_grad():
+        before, _ = head.token_step(h, 5, prev, None)
+        head.markov_w2.lora_B["default"].weight.normal_()  # an adapter update; W2's own weight is untouched
+        after, _ = head.token_step(h, 5, prev, None)
+    assert not torch.equal(before, after) and torch.equal(after, head.step(h, prev, None)[0])
+
+
 def test_rnn_bias_carries_state_and_gated_bias_reads_the_hidden_row():
     target = make_tiny_target("llama")
     rnn = make_drafter(target, markov_head_type="rnn").markov_head

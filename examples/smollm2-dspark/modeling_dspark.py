@@ -309,7 +309,10 @@ class DSparkVanillaMarkovHead(nn.Module):
         return row, state
 
     def _weights_stamp(self) -> tuple | None:
-        """Identity and in-place version of W1 and W2 (an optimizer step or a load bumps it); None where not tracked."""
+        """Identity and in-place version of W1 and W2 (an optimizer step or a load bumps it); None where not tracked:
+        inference-mode weights, or W1/W2 wrapped by an adapter (PEFT) whose own weights can change or switch."""
+        if type(self.markov_w1) is not nn.Embedding or type(self.markov_w2) is not nn.Linear:
+            return None
         try:
             return tuple((w.data_ptr(), w._version, w.dtype) for w in (self.markov_w1.weight, self.markov_w2.weight))
         except RuntimeError:  # inference-mode tensors keep no version counter: compute every row
