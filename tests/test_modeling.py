@@ -263,6 +263,9 @@ def test_inference_reuses_a_recent_tokens_bias_row_until_the_weights_change():
         head.markov_w2.weight.mul_(2.0)  # an optimizer step or a load changes the weights in place
         changed, _ = head.token_step(h1, 5, prev, None)
         assert changed is not first and torch.equal(changed, head.step(h1, prev, None)[0])
+        head.markov_w2.weight = torch.nn.Parameter(head.markov_w2.weight * 0.5)  # a new tensor in its place
+        replaced, _ = head.token_step(h1, 5, prev, None)
+        assert torch.equal(replaced, head.step(h1, prev, None)[0]) and not torch.equal(replaced, changed)
         head.bias_cache_bytes = 3 * changed.numel() * changed.element_size()
         for token in range(10):
             head.token_step(h1, token, head.embed_previous(torch.tensor([token])), None)

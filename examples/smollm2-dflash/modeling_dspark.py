@@ -314,7 +314,7 @@ class DSparkVanillaMarkovHead(nn.Module):
         if type(self.markov_w1) is not nn.Embedding or type(self.markov_w2) is not nn.Linear:
             return None
         try:
-            return tuple((w.data_ptr(), w._version, w.dtype) for w in (self.markov_w1.weight, self.markov_w2.weight))
+            return tuple((id(w), w.data_ptr(), w._version, w.dtype) for w in (self.markov_w1.weight, self.markov_w2.weight))
         except RuntimeError:  # inference-mode tensors keep no version counter: compute every row
             return None
 
