@@ -131,7 +131,7 @@ def k0_costs(target, drafter, encoded, max_new_tokens: int, repetitions: int) ->
     drafter.dspark_verify_profile = never
     no_candidates = NoCandidates()
     marker = type("NoDrafter", (), {modeling_dspark.DSPARK_FACTORY_ATTRIBUTE: lambda *a: no_candidates})()
-    marker.config = target.config  # transformers compares the assistant's vocabulary with the target's
+    marker.config = drafter.config  # checked against the target like any DSpark drafter (vocabulary, sizes)
     methods = {
         "plain": {},
         "assisted loop, no drafter": {"assistant_model": marker},
