@@ -18,7 +18,8 @@
 # MAX_STEPS_PER_RUN to time-box a run), so rerunning the script continues the work.
 # Sized for 2 CPU cores: regeneration (~100-120 new tokens/s per core; SIZE=37, 457k assistant tokens) took about 2
 # hours of both cores; the other stages about 2 hours at STEPS=3000 (training ~1.2-1.5 s/step, the two drafters side
-# by side; the shipped run reused the earlier cache and sizing: 100 min from there). THREADS per job, STEPS and SIZE
+# by side), and the second cycle (CONTINUE_STEPS=2000) 50 min more; the shipped run continued the earlier run's
+# trained drafters: 70 min from there to the model card. THREADS per job, STEPS and SIZE
 # (percent of each domain's prompts) trade quality for time; BENCH_PROMPTS / BENCH_REPS size the final benchmark.
 # Growing SIZE later changes the training data: delete $WORK/cache-train, size-*, train-*, continue-*, sizing.json,
 # dspark-calibrated, eval-dflash.json and the outputs first (the regenerated JSONL is kept and extended).
