@@ -144,44 +144,38 @@ CHOSEN=$($PY examples/pick_size.py "$WORK" "${names[@]}")
 SIZE_FLAGS=${CANDIDATES[$CHOSEN]}
 echo "chosen size: $CHOSEN ($SIZE_FLAGS)"
 
-stage "5/8 train DSpark ($CHOSEN, vanilla Markov head, confidence head) and the DFlash-only baseline of the same size
-(heads off), $STEPS steps each, side by side (one core each; logs in $WORK/train-*.log)"
-# shellcheck disable=SC2086
-train "$WORK/train-dspark" $SIZE_FLAGS --markov-head-type vanilla > "$WORK/train-dspark.log" 2>&1 &
-dspark_job=$!
-# shellcheck disable=SC2086
-train "$WORK/train-dflash" $SIZE_FLAGS --markov-rank 0 --no-confidence-head > "$WORK/train-dflash.log" 2>&1 &
-dflash_job=$!
-wait "$dspark_job"  # set -e: a failed training stops the script here
-wait "$dflash_job"
-if [ ! -d "$WORK/train-dspark/drafter" ] || [ ! -d "$WORK/train-dflash/drafter" ]; then
-  stage "training stopped after MAX_STEPS_PER_RUN=${MAX_STEPS_PER_RUN:-} steps; rerun \`make drafter\` to continue"; exit 0
-fi
-
-# A second cosine cycle (a warm restart at half the peak rate) from the trained weights, for both drafters alike:
-# the first cycle ends with τ still rising and no gap between training and validation τ, so more steps pay.
-DSPARK_TRAINED=$WORK/train-dspark/drafter; DFLASH_TRAINED=$WORK/train-dflash/drafter
-if (( CONTINUE_STEPS > 0 )); then
-  stage "5b/8 continue both drafters $CONTINUE_STEPS more steps (warm restart from their weights, lr 5e-4), side by side"
-  CONTINUE=(--max-steps "$CONTINUE_STEPS" --learning-rate 5e-4)
-  # shellcheck disable=SC2086
-  train "$WORK/continue-dspark" $SIZE_FLAGS --markov-head-type vanilla --init-from "$DSPARK_TRAINED" "${CONTINUE[@]}" \
-    > "$WORK/continue-dspark.log" 2>&1 &
-  dspark_job=$!
-  # shellcheck disable=SC2086
-  train "$WORK/continue-dflash" $SIZE_FLAGS --markov-rank 0 --no-confidence-head --init-from "$DFLASH_TRAINED" \
-    "${CONTINUE[@]}" > "$WORK/continue-dflash.log" 2>&1 &
-  dflash_job=$!
-  wait "$dspark_job"
-  wait "$dflash_job"
-  DSPARK_TRAINED=$WORK/continue-dspark/drafter; DFLASH_TRAINED=$WORK/continue-dflash/drafter
-  if [ ! -d "$DSPARK_TRAINED" ] || [ ! -d "$DFLASH_TRAINED" ]; then
+# One training cycle of both drafters side by side (one core each; logs in $WORK/CYCLE-*.log): $1 = the cycle's name,
+# $2 = the cycle whose weights it starts from ("" = from scratch), rest = options for both.
+train_both() {
+  local cycle=$1 from=$2 kind pids=()
+  shift 2
+  local -A heads=([dspark]="--markov-head-type vanilla" [dflash]="--markov-rank 0 --no-confidence-head")
+  for kind in dspark dflash; do
+    local init=()
+    [ -n "$from" ] && init=(--init-from "$WORK/$from-$kind/drafter")
+    # shellcheck disable=SC2086  # the size and head flags split into words on purpose
+    train "$WORK/$cycle-$kind" $SIZE_FLAGS ${heads[$kind]} "${init[@]}" "$@" > "$WORK/$cycle-$kind.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done  # set -e: a failed training stops the script here
+  if [ ! -d "$WORK/$cycle-dspark/drafter" ] || [ ! -d "$WORK/$cycle-dflash/drafter" ]; then
     stage "training stopped after MAX_STEPS_PER_RUN=${MAX_STEPS_PER_RUN:-} steps; rerun \`make drafter\` to continue"; exit 0
   fi
+}
+stage "5/8 train DSpark ($CHOSEN, vanilla Markov head, confidence head) and the DFlash-only baseline of the same size
+(heads off), $STEPS steps each, side by side"
+train_both train ""
+LAST_CYCLE=train
+# A second cosine cycle (a warm restart at half the peak rate) from the trained weights, for both drafters alike:
+# the first cycle ends with τ still rising and no gap between training and validation τ, so more steps pay.
+if (( CONTINUE_STEPS > 0 )); then
+  stage "5b/8 continue both drafters $CONTINUE_STEPS more steps (warm restart from their weights, lr 5e-4), side by side"
+  train_both continue train --max-steps "$CONTINUE_STEPS" --learning-rate 5e-4
+  LAST_CYCLE=continue
 fi
 
 stage "6/8 calibrate the confidence head (STS on the multi-domain validation cache)"
-[ -d "$WORK/dspark-calibrated" ] || $CLI calibrate --model "$DSPARK_TRAINED" --cache "$WORK/cache-validation" \
+[ -d "$WORK/dspark-calibrated" ] || $CLI calibrate --model "$WORK/$LAST_CYCLE-dspark/drafter" --cache "$WORK/cache-validation" \
   --target smollm2 --output-dir "$WORK/dspark-calibrated" | tee "$WORK/calibration.txt"
 
 stage "7/8 export bf16 drafters (embed_tokens/lm_head omitted, bound from the target at load)"
@@ -192,7 +186,7 @@ m = DSparkForDrafting.from_pretrained(sys.argv[1], dtype=torch.bfloat16)  # d2t/
 assert m.config.bind_target_embeddings; m.generation_config.dspark_schedule = sys.argv[3]; m.save_pretrained(sys.argv[2])' "$1" "$2" "$3"
 }
 to_bf16 "$WORK/dspark-calibrated" "$OUT_DSPARK" hardware
-to_bf16 "$DFLASH_TRAINED" "$OUT_DFLASH" fixed
+to_bf16 "$WORK/$LAST_CYCLE-dflash/drafter" "$OUT_DFLASH" fixed
 
 stage "8/8 eval (offline on the validation cache) and bench per domain (test-split prompts; HumanEval held out)"
 EVAL=(--cache "$WORK/cache-validation" --num-prompts 0 --threads "$THREADS")
