@@ -10,11 +10,12 @@ drafter pass), chitchat test prompts, greedy. Each stage is timed by wrapping it
 - markov: the rest of `draft_block` (Markov head, confidence head, token choice, left to right);
 - transformers: everything else in the round (the assisted loop's own bookkeeping).
 
-`--sample` runs part 1 at T = 1. Part 2 (k = 0 rounds): plain greedy vs assisted rounds that never draft: (a) a generator that returns no candidates
-and never runs a drafter (transformers' assisted loop alone), (b) the drafter with the hardware schedule forced to
-k = 0 and the back-off on (the shipped behaviour when drafting does not pay), (c) the same with the back-off off (a
-drafter pass every round). Prompts × repetitions interleaved; medians of per-token wall time and of this process's
-CPU time (with one thread, the CPU time is the steadier measure on a shared machine).
+`--sample` runs part 1 at T = 1 (the bench's sampling mode). Part 2 (k = 0 rounds): plain greedy vs assisted rounds
+that never draft: (a) a generator that returns no candidates and never runs a drafter (transformers' assisted loop
+alone), (b) the drafter with the hardware schedule forced to k = 0 and the back-off on (the shipped behaviour when
+drafting does not pay), (c) the same with the back-off off (a drafter pass every round). Prompts × repetitions
+interleaved; medians of per-token wall time and of this process's CPU time (with one thread, the CPU time is the
+steadier measure on a shared machine).
 
     PYTHONPATH=. python benchmarks/profile_round.py --threads 1 --dtype bfloat16
 """
@@ -29,7 +30,7 @@ from collections import defaultdict
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from dspark_hf.evaluation import encode_prompt, held_out_prompts, load_drafter
+from dspark_hf.evaluation import encode_prompt, held_out_prompts, load_drafter, timed_generate
 from dspark_hf.reporting import machine_description
 from dspark_hf.remote_code import modeling_dspark
 
@@ -58,11 +59,6 @@ class Timers:
         return original
 
 
-def sampling_options(do_sample: bool) -> dict:
-    """T = 1 with no top-k/top-p (the bench's sampling mode), or greedy."""
-    return dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if do_sample else dict(do_sample=False)
-
-
 def round_breakdown(target, drafter, encoded, max_new_tokens: int, do_sample: bool = False) -> dict:
     timers = Timers()
     drafter.generation_config.dspark_schedule = "fixed"
@@ -87,13 +83,10 @@ def round_breakdown(target, drafter, encoded, max_new_tokens: int, do_sample: bo
     total, rounds, tokens = 0.0, 0, 0
     try:
         for inputs in encoded:
-            start = time.perf_counter()
-            torch.manual_seed(0)
-            out = target.generate(**inputs, max_new_tokens=max_new_tokens, assistant_model=drafter,
-                                  pad_token_id=target.generation_config.eos_token_id, **sampling_options(do_sample))
-            total += time.perf_counter() - start
+            new_tokens, seconds = timed_generate(target, inputs, max_new_tokens, do_sample, assistant_model=drafter)
+            total += seconds
             rounds += drafter.last_generation_stats.rounds
-            tokens += out.shape[1] - inputs["input_ids"].shape[1] - 1  # the prefill's token is not a round's
+            tokens += new_tokens.shape[0] - 1  # the prefill's token is not a round's
     finally:
         for hook in hooks:
             hook.remove()
@@ -171,7 +164,7 @@ def main():
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repetitions", type=int, default=3, help="of part 2")
-    parser.add_argument("--sample", action="store_true", help="part 1 at T = 1 (draws, warping and q on the draft side)")
+    parser.add_argument("--sample", action="store_true", help="part 1 at T = 1 (draws and q on the draft side)")
     parser.add_argument("--skip-k0", action="store_true", help="part 1 only")
     args = parser.parse_args()
 
@@ -183,7 +176,8 @@ def main():
     encoded = [encode_prompt(tokenizer, p) for p in held_out_prompts(["chitchat"], "test", args.num_prompts)]
     context = statistics.mean(e["input_ids"].shape[1] for e in encoded)
     print(f"{machine_description()}; SmolLM2-135M-Instruct {args.dtype}; {len(encoded)} chitchat test prompts "
-          f"(mean prompt {context:.0f} tokens), {args.max_new_tokens} new tokens, part 1 {'T = 1' if args.sample else 'greedy'}")
+          f"(mean prompt {context:.0f} tokens), {args.max_new_tokens} new tokens, "
+          f"part 1 {'T = 1' if args.sample else 'greedy'}")
 
     target.generate(**encoded[0], max_new_tokens=8, do_sample=False, assistant_model=drafter)  # warm-up
     report = round_breakdown(target, drafter, encoded, args.max_new_tokens, args.sample)
