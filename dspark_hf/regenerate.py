@@ -28,6 +28,8 @@ from tqdm.auto import tqdm
 
 from .target_weights import input_device
 
+DEFAULT_MAX_BATCH_TOKENS = 8192  # padded prompt tokens per generate call (rows x longest prompt)
+
 
 def _read_done(path: Path) -> set[str]:
     """Ids already regenerated; truncates a partial (unterminated or unparsable) last line left by a kill."""
@@ -160,6 +162,30 @@ def _stop_ids(model, tokenizer) -> set[int]:
     return {*eos, tokenizer.pad_token_id}
 
 
+def length_groups(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
+    """Row indices grouped for separate generate calls, shortest prompts first, each group's padded size (rows x
+    longest prompt) within `max_batch_tokens` (a longer prompt goes alone). Left padding pads every row to the longest:
+    one long prompt among 48 short ones made prefill attention (rows x length^2) cost 8-14 GB."""
+    groups: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[index] <= max_batch_tokens:  # sorted: this row is the longest
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
+def generate_batches(model, tokenizer, prompts: list[list[int]], settings: dict,
+                     max_batch_tokens: int) -> tuple[list[str], list[int]]:
+    """`generate_batch` over length groups of at most `max_batch_tokens` padded tokens, replies in prompt order."""
+    texts, lengths = [""] * len(prompts), [0] * len(prompts)
+    for group in length_groups([len(p) for p in prompts], max_batch_tokens):
+        group_texts, group_lengths = generate_batch(model, tokenizer, [prompts[i] for i in group], settings)
+        for i, text, length in zip(group, group_texts, group_lengths):
+            texts[i], lengths[i] = text, length
+    return texts, lengths
+
+
 @torch.inference_mode()
 def generate_batch(model, tokenizer, prompts: list[list[int]], settings: dict) -> tuple[list[str], list[int]]:
     """One reply per prompt (token ids), batched with left padding; (texts, tokens generated per row)."""
@@ -227,14 +253,16 @@ def _prompt_budget(max_length: int | None, max_new_tokens: int) -> int | None:
 
 def regenerate_conversations(model, tokenizer, conversations: list[dict], output: str | os.PathLike,
                              max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                             batch_size: int | None = None, progress: bool = True, max_length: int | None = None) -> int:
+                             batch_size: int | None = None, progress: bool = True, max_length: int | None = None,
+                             max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> int:
     """Regenerate every assistant turn of `conversations` into `output` (messages JSONL with `id`); resumes.
 
     Each prompt is the conversation so far, bounded to `max_length - max_new_tokens` tokens (default `max_length`: the
     target's context) by dropping the oldest turns (`Dialogue.prompt_ids`). With `batch_size` 1 a conversation's KV
     cache is reused across its turns. Batched rows are not: left padding re-aligns every row at each turn (the rows'
     new turns differ in length), so a row's cached keys would sit at other columns than its new prompt, and transformers
-    has no per-row cache crop; batched prompts are re-encoded, bounded by the same budget. `batch_size` None picks
+    has no per-row cache crop; batched prompts are re-encoded, bounded by the same budget, and split by length so no
+    generate call pads more than `max_batch_tokens` tokens (`length_groups`). `batch_size` None picks
     `default_batch_size`. Progress counts replies (turns); with `progress`, the tokens/s is printed at the end.
     Returns the number of conversations written by this call.
     """
@@ -268,7 +296,7 @@ def regenerate_conversations(model, tokenizer, conversations: list[dict], output
                     reply, length = generate_with_prefix_cache(model, tokenizer, active[0], prompts[0], settings)
                     replies, lengths = [reply], [length]
                 else:
-                    replies, lengths = generate_batch(model, tokenizer, prompts, settings)
+                    replies, lengths = generate_batches(model, tokenizer, prompts, settings, max_batch_tokens)
                 for dialogue, reply in zip(active, replies):
                     dialogue.messages.append({"role": "assistant", "content": reply})
                 throughput.add(lengths)
@@ -374,6 +402,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None,
                         help="conversations per generate call (default: 8, or 1 for multi-turn data, where each "
                              "conversation's KV cache is reused across its turns)")
+    parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
+                        help="padded prompt tokens per generate call (rows x longest prompt): a batch is split by "
+                             f"prompt length to stay within it; a longer prompt goes alone (default: {DEFAULT_MAX_BATCH_TOKENS})")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype (default: float32)")
     parser.add_argument("--device", default="cpu", help="device of the target (default: cpu)")
     add_placement_arguments(parser)
@@ -392,6 +423,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .data import check_dataset, load_conversations, load_target, placement_from_args, select_conversations
 
+    if args.max_batch_tokens < 1:
+        raise ValueError(f"--max-batch-tokens {args.max_batch_tokens} is below 1; pass a padded-token budget such as 8192")
     conversations = load_conversations(args.input)
     check_dataset(conversations, str(args.input), need_assistant=False)
     conversations = select_conversations(conversations, args.input, args.split, args.limit)
@@ -407,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
         written = regenerate_conversations(
             model, tokenizer, conversations, args.output, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
-            max_length=args.max_length, progress=not args.no_progress,
+            max_length=args.max_length, max_batch_tokens=args.max_batch_tokens, progress=not args.no_progress,
         )
     print(f"regenerate: wrote {written} conversations ({len(conversations) - written} already done) -> {args.output}")
     return 0

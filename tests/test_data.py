@@ -18,7 +18,7 @@ from dspark_hf.data import (
     tokenize_conversations,
     write_jsonl,
 )
-from dspark_hf.regenerate import regenerate_conversations
+from dspark_hf.regenerate import length_groups, regenerate_conversations
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -210,6 +210,29 @@ def test_regenerate_reusing_the_cache_writes_what_fresh_prompts_write(tiny, toke
     fresh = regenerate_conversations(tiny, tokenizer, fresh_convs, tmp_path / "b.jsonl", max_new_tokens=6, batch_size=2, progress=False)
     assert (reused, fresh) == (1, 2)
     assert read_jsonl(tmp_path / "a.jsonl")[0] == read_jsonl(tmp_path / "b.jsonl")[0]
+
+
+def test_length_groups_bound_the_padded_tokens_of_each_call():
+    lengths = [30, 5, 400, 7, 6, 31, 29]
+    groups = length_groups(lengths, max_batch_tokens=100)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    assert all(len(group) * max(lengths[i] for i in group) <= 100 for group in groups if len(group) > 1)
+    assert [2] in groups  # longer than the bound: alone
+    assert groups[0] == [1, 4, 3]  # shortest first, packed
+    assert length_groups(lengths, max_batch_tokens=10_000) == [sorted(range(7), key=lambda i: lengths[i])]
+
+
+def test_regenerate_split_by_length_writes_what_one_batch_writes(tiny, tokenizer, tmp_path, monkeypatch):
+    convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": "Tell me more. " * (1 + 6 * (i % 2)) + str(i)}]}
+             for i in range(4)]
+    whole = regenerate_conversations(tiny, tokenizer, convs, tmp_path / "whole.jsonl", max_new_tokens=5, batch_size=4,
+                                     progress=False)
+    recorder = _PromptRecorder(tiny, monkeypatch)
+    split = regenerate_conversations(tiny, tokenizer, convs, tmp_path / "split.jsonl", max_new_tokens=5, batch_size=4,
+                                     max_batch_tokens=100, progress=False)
+    assert (whole, split) == (4, 4)
+    assert recorder.prompts == [36, 60, 60]  # the two short prompts (36 tokens) together, the long ones one by one
+    assert read_jsonl(tmp_path / "whole.jsonl") == read_jsonl(tmp_path / "split.jsonl")
 
 
 def test_regenerate_refuses_a_budget_without_room_for_the_reply(tiny, tokenizer, tmp_path):
