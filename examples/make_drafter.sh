@@ -16,8 +16,8 @@
 # Intermediate files go to $WORK (default build/smollm2-drafter). Every stage is skipped when its output exists,
 # regenerate/cache/train resume where an interrupted run stopped (training checkpoints every 100 steps; set
 # MAX_STEPS_PER_RUN to time-box a run), so rerunning the script continues the work.
-# Sized for 2 CPU cores: regeneration (batches of 48 conversations, split by prompt length at 8,192 padded tokens) (~100-120 new tokens/s per core; SIZE=37, 457k assistant tokens) took about 2
-# hours of both cores; the other stages about 2 hours at STEPS=3000 (training ~1.2-1.5 s/step, the two drafters side
+# Sized for 2 CPU cores: regeneration (~100-120 new tokens/s per core; batches of 48 conversations, split by prompt
+# length at 8,192 padded tokens; SIZE=37, 457k assistant tokens) took about 2 hours of both cores; the other stages about 2 hours at STEPS=3000 (training ~1.2-1.5 s/step, the two drafters side
 # by side), and the second cycle (CONTINUE_STEPS=2000) 50 min more; the shipped run continued the earlier run's
 # trained drafters: 70 min from there to the model card. THREADS per job, STEPS and SIZE
 # (percent of each domain's prompts) trade quality for time; BENCH_PROMPTS / BENCH_REPS size the final benchmark.
