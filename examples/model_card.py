@@ -94,6 +94,34 @@ def sizing_section(work: Path) -> list[str]:
             markdown_table(sizing["candidates"], "candidate")]
 
 
+def training_cycles(run: Path) -> list[dict]:
+    """The training cycles behind a run's drafter, oldest first, following each run's `--init-from` back to the one
+    that started from scratch (a cycle may have trained on an earlier, smaller cache)."""
+    cycles = []
+    while run is not None and (run / "training_args.json").is_file():
+        args = json.loads((run / "training_args.json").read_text())
+        manifest = Path(args.get("train_cache") or "") / "manifest.json"
+        cache = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        cycles.append({"steps": args["max_steps"], "peak learning rate": args["learning_rate"],
+                       "training conversations": cache.get("num_samples", "?"),
+                       "tokens (prompt + answer)": f"{cache['num_tokens']:,}" if "num_tokens" in cache else "?",
+                       "starts from": "the previous cycle's weights" if args.get("init_from") else "scratch"})
+        run = Path(args["init_from"]).parent if args.get("init_from") else None
+    return cycles[::-1]
+
+
+def training_section(work: Path) -> list[str]:
+    """Every training cycle of the shipped drafter (the last cycle `make drafter` ran: continue-dspark or train-dspark)."""
+    last = next((work / name for name in ("continue-dspark", "train-dspark") if (work / name / "drafter").is_dir()), None)
+    cycles = training_cycles(last.resolve()) if last else []
+    if not cycles:
+        return []
+    rows = {f"cycle {i}": cycle for i, cycle in enumerate(cycles, start=1)}
+    return ["## Training cycles",
+            f"{sum(c['steps'] for c in cycles):,} steps in all, each cycle a cosine schedule; the DFlash-only baseline "
+            "ran the same cycles on the same data.", markdown_table(rows, "cycle")]
+
+
 def main(out: Path, work: Path, dflash: Path, seconds: int, steps: str, size: str = "75") -> None:
     evaluation = json.loads((out / "eval.json").read_text())
     baseline = json.loads((work / "eval-dflash.json").read_text())
@@ -108,7 +136,7 @@ def main(out: Path, work: Path, dflash: Path, seconds: int, steps: str, size: st
                          f"it took {seconds // 60} min (stages already done are skipped, so a resumed run reports less)",
         tau=tau, speed=speed_rows(benches),
         machine=f"{evaluation['machine']}; speed rows name their dtype; ratios measured side by side in one run",
-        more_sections=data_section(work) + sizing_section(work),
+        more_sections=data_section(work) + training_section(work) + sizing_section(work),
         description=f"The default drafter of dspark-hf: a {config.num_hidden_layers}-layer DSpark drafter for "
                     "SmolLM2-135M-Instruct trained on 2 CPU cores, drafting with the hardware-aware schedule "
                     "(`dspark_schedule: \"hardware\"`: each round verifies the number of drafts that maximises "

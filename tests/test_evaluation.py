@@ -206,6 +206,25 @@ def _check_sizing_picks_the_fastest(tmp_path, report):
     assert f"| chatterbot | {len(CONVERSATIONS)} |" in data and "sampled, T = 0.8" in data
 
 
+def test_model_card_lists_every_training_cycle(tmp_path):
+    """A drafter continued from earlier weights (`--init-from`, possibly on a smaller cache) shows every cycle."""
+    caches = {"small": 10, "large": 30}
+    for name, samples in caches.items():
+        (tmp_path / f"cache-{name}").mkdir()
+        (tmp_path / f"cache-{name}" / "manifest.json").write_text(json.dumps({"num_samples": samples, "num_tokens": 100 * samples}))
+    runs = [("first", "small", None, 1e-3), ("second", "small", "first", 5e-4), ("continue-dspark", "large", "second", 5e-4)]
+    for run, cache, parent, rate in runs:
+        (tmp_path / run / "drafter").mkdir(parents=True)
+        args = {"max_steps": 100, "learning_rate": rate, "train_cache": str(tmp_path / f"cache-{cache}"),
+                "init_from": str(tmp_path / parent / "drafter") if parent else None}
+        (tmp_path / run / "training_args.json").write_text(json.dumps(args))
+    section = "\n".join(_example("model_card").training_section(tmp_path))
+    assert "300 steps in all" in section
+    rows = [line for line in section.splitlines() if line.startswith("| cycle ") and not line.startswith("| cycle |")]
+    assert len(rows) == 3 and "| 10 | 1,000 | scratch |" in rows[0] and "| 30 | 3,000 | the previous" in rows[2]
+    assert str(tmp_path) not in section  # no machine paths in a card
+
+
 def test_bench_domains_keep_history_when_asked(tmp_path):
     from dspark_hf.evaluation import domain_prompts
     from dspark_hf.data import write_jsonl
