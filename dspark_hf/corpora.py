@@ -176,9 +176,10 @@ def _stdlib_files() -> list[Path]:
 @functools.lru_cache(maxsize=1)
 def _documented_functions(max_lines: int = 30) -> tuple[tuple[str, str, ast.FunctionDef, str], ...]:
     """(module, qualified name, node, source) of every public, documented standard-library function of 4..max_lines
-    lines, in a fixed order."""
+    lines, in a fixed order; a name defined twice (a property's getter and setter) counts once, the first, so the
+    prompt ids stay unique."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    found = []
+    found, seen = [], set()
     for path in _stdlib_files():
         module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         try:
@@ -192,7 +193,8 @@ def _documented_functions(max_lines: int = 30) -> tuple[tuple[str, str, ast.Func
                 if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or not ast.get_docstring(node):
                     continue
                 source = textwrap.dedent(ast.get_source_segment(text, node, padded=True) or "")
-                if source and 4 <= source.count("\n") + 1 <= max_lines:
+                if source and 4 <= source.count("\n") + 1 <= max_lines and (module, prefix + node.name) not in seen:
+                    seen.add((module, prefix + node.name))
                     found.append((module, prefix + node.name, node, source))
     return tuple(found)
 

@@ -28,6 +28,10 @@ def test_wordnet_prompts_are_questions_about_common_words():
 def test_stdlib_prompts_show_real_functions():
     explain, write = corpora.stdlib_explain_prompts(), corpora.stdlib_write_prompts()
     assert len(explain) == len(write) > 1000
+    for prompts in (explain, write):  # a property's getter and setter share a name: one prompt, so ids stay unique
+        assert len({c["id"] for c in prompts}) == len(prompts)
+    getter = next(c for c in explain if c["id"] == "stdlib-explain/configparser.ParsingError.filename")
+    assert "return self.source" in getter["messages"][0]["content"]  # the first definition, the getter
     sample = next(c for c in explain if c["id"] == "stdlib-explain/textwrap.indent")["messages"][0]["content"]
     assert "def indent(text, prefix, predicate=None):" in sample and "```python" in sample
     assert all(not c["id"].split("/", 1)[1].startswith(("test.", "idlelib.")) for c in explain)
