@@ -16,10 +16,11 @@
 # Intermediate files go to $WORK (default build/smollm2-drafter). Every stage is skipped when its output exists,
 # regenerate/cache/train resume where an interrupted run stopped (training checkpoints every 100 steps; set
 # MAX_STEPS_PER_RUN to time-box a run), so rerunning the script continues the work.
-# Sized for 2 CPU cores: regeneration (~100-120 new tokens/s per core; batches of 48 conversations, split by prompt
-# length at 8,192 padded tokens; SIZE=37, 457k assistant tokens) took about 2 hours of both cores; the other stages about 2 hours at STEPS=3000 (training ~1.2-1.5 s/step, the two drafters side
-# by side), and the second cycle (CONTINUE_STEPS=2000) 50 min more; the shipped run continued the earlier run's
-# trained drafters: 70 min from there to the model card. THREADS per job, STEPS and SIZE
+# Sized for 2 CPU cores: regeneration (~100-200 new tokens/s per core; batches of 48 conversations, split by prompt
+# length at 8,192 padded tokens) of SIZE=80 (7,632 conversations, 913k assistant tokens) takes about 4 hours of both
+# cores (SIZE=37, 457k tokens: 2 hours); the other stages about 2.5 hours at STEPS=3000 + CONTINUE_STEPS=2000
+# (training ~1.2-1.5 s/step, the two drafters side by side). The shipped drafter continued the 457k-token drafter's
+# weights for one cycle on the SIZE=80 data (its model card lists every cycle). THREADS per job, STEPS and SIZE
 # (percent of each domain's prompts) trade quality for time; BENCH_PROMPTS / BENCH_REPS size the final benchmark.
 # Growing SIZE later changes the training data: delete $WORK/cache-train, size-*, train-*, continue-*, sizing.json,
 # dspark-calibrated, eval-dflash.json and the outputs first (the regenerated JSONL is kept and extended).
@@ -36,7 +37,7 @@ OUT_DFLASH=${OUT_DFLASH:-examples/smollm2-dflash}
 THREADS=${THREADS:-1}                 # 1 thread per job beats 2 oversubscribed ones on a shared 2-core box
 STEPS=${STEPS:-3000}                   # first cycle (1,200 steps: offline τ 1.56; 3,000: 1.78)
 CONTINUE_STEPS=${CONTINUE_STEPS:-2000} # second cycle from the first's weights (0 skips it)
-SIZE=${SIZE:-37}                       # percent of each domain's prompts below (37: 3,860 conversations, 457k assistant tokens; 75: ~0.9M)
+SIZE=${SIZE:-80}                       # percent of each domain's prompts below (80: 7,632 conversations, 913k assistant tokens)
 VALIDATION=${VALIDATION:-16}           # validation conversations per corpus (calibration and offline eval)
 BENCH_PROMPTS=${BENCH_PROMPTS:-3}; BENCH_REPS=${BENCH_REPS:-1}
 AUX=2,15,28                            # speculators convention (HF hidden_states index) of SmolLM2's 30 layers
