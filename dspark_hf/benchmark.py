@@ -3,7 +3,10 @@
 One process, one target, the same held-out chat prompts (test split) for every method, repetitions interleaved
 (rep → prompt → method, the method order rotated each repetition) so a noisy shared machine slows every method
 alike. Per method and repetition, tokens/s = new tokens over all prompts / wall time; the table shows the median
-over repetitions and its ratio to plain greedy. Methods:
+over repetitions and its ratio to plain greedy, and the same ratio for decoding alone ("decode ×": tokens after the
+first over the time after the first token arrived). The prefill is the same target forward for every method, so
+it dilutes whole-call ratios by prompt length, and at T = 1, where each method samples answers of other lengths,
+it weighs differently per method; the decode ratio is the speed-up of what speculative decoding changes. Methods:
 
 - `plain`: `target.generate` alone.
 - `assisted-lm`: transformers' assisted generation with a small same-tokenizer LM, a truncated-depth copy of the
@@ -35,7 +38,7 @@ import torch
 from . import DSparkContextCache
 from .data import load_target, resolve_target
 from .evaluation import (domain_prompts, drafter_name, encode_prompt, live_acceptance, load_drafter, merge_generation_stats,
-                         plot_domain_acceptance, timed_generate)
+                         plot_domain_acceptance, timed_generate, timed_generation)
 from .reporting import emit_report, machine_description, set_threads
 
 ALL_METHODS = ["plain", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark", "dspark-conf"]
@@ -130,18 +133,18 @@ def run_methods(target, encoded, methods, models, args, do_sample: bool) -> dict
     """Every method on every prompt, repetitions interleaved (rep → prompt → method, order rotated each rep)."""
     for m in methods:  # warm-up: one short call each
         timed_generate(target, encoded[0], 8, do_sample, 0, **_method_kwargs(m, models, args))
-    runs = {m: {"tokens": [0] * args.repetitions, "seconds": [0.0] * args.repetitions, "stats": [], "outputs": []}
-            for m in methods}
+    counters = ("tokens", "seconds", "decode_tokens", "decode_seconds")
+    runs = {m: {**{c: [0] * args.repetitions for c in counters}, "stats": [], "outputs": []} for m in methods}
     for rep in range(args.repetitions):
         order = methods[rep % len(methods):] + methods[: rep % len(methods)]
         for i, inputs in enumerate(encoded):
             for m in order:
-                new, elapsed = timed_generate(target, inputs, args.max_new_tokens, do_sample, 1000 * rep + i,
-                                              **_method_kwargs(m, models, args))
-                runs[m]["tokens"][rep] += new.numel()
-                runs[m]["seconds"][rep] += elapsed
+                timed = timed_generation(target, inputs, args.max_new_tokens, do_sample, 1000 * rep + i,
+                                         **_method_kwargs(m, models, args))
+                for c, value in zip(counters, (timed.tokens.numel(), timed.seconds, timed.decode_tokens, timed.decode_seconds)):
+                    runs[m][c][rep] += value
                 if rep == 0:
-                    runs[m]["outputs"].append(new)
+                    runs[m]["outputs"].append(timed.tokens)
                     if m in models and hasattr(models[m], "last_generation_stats"):
                         runs[m]["stats"].append(models[m].last_generation_stats)
     return runs
@@ -152,12 +155,15 @@ def summarize_runs(runs: dict[str, dict[str, Any]], do_sample: bool) -> dict[str
     rows = {}
     for m, run in runs.items():
         rates = [t / max(s, 1e-9) for t, s in zip(run["tokens"], run["seconds"])]
-        rows[m] = {"tokens_per_s": statistics.median(rates), "all_tokens_per_s": rates}
+        decode_rates = [t / max(s, 1e-9) for t, s in zip(run["decode_tokens"], run["decode_seconds"])]
+        rows[m] = {"tokens_per_s": statistics.median(rates), "all_tokens_per_s": rates,
+                   "decode_tokens_per_s": statistics.median(decode_rates), "all_decode_tokens_per_s": decode_rates}
         if run["stats"]:
             rows[m].update(live_acceptance(merge_generation_stats(run["stats"])))
     for m, row in rows.items():
         if "plain" in rows:
             row["speedup_vs_plain"] = row["tokens_per_s"] / rows["plain"]["tokens_per_s"]
+            row["decode_speedup_vs_plain"] = row["decode_tokens_per_s"] / rows["plain"]["decode_tokens_per_s"]
             if not do_sample:
                 row["identical_to_plain"] = sum(bool(a.shape == b.shape and torch.equal(a, b))
                                                 for a, b in zip(runs["plain"]["outputs"], runs[m]["outputs"]))
@@ -214,8 +220,8 @@ def format_report(report: dict[str, Any]) -> str:
     for domain, result in report["domains"].items():
         for mode, rows in result["modes"].items():
             lines += ["", f"[{domain}: {result['prompts']} prompts, {mode}, {report['dtype']}]",
-                      f"{'method':<14}{'tok/s':>8}{'× plain':>9}{'τ live':>8}{'drafts/rd':>10}{'same text':>10}"
-                      f"{'c_n said/seen':>15}"]
+                      f"{'method':<14}{'tok/s':>8}{'× plain':>9}{'decode ×':>10}{'τ live':>8}{'drafts/rd':>10}"
+                      f"{'same text':>10}{'c_n said/seen':>15}"]
             for m, r in rows.items():
                 tau = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
                 drafts = f"{r['mean_drafts_per_round']:.2f}" if "mean_drafts_per_round" in r else "-"
@@ -224,7 +230,7 @@ def format_report(report: dict[str, Any]) -> str:
                 live = (f"{r['live_confidence_mean']:.2f}/{r['live_acceptance_rate']:.2f}"
                         if "live_confidence_mean" in r else "-")
                 lines.append(f"{m:<14}{r['tokens_per_s']:>8.1f}{r.get('speedup_vs_plain', float('nan')):>9.2f}"
-                             f"{tau:>8}{drafts:>10}{same:>10}{live:>15}")
+                             f"{r.get('decode_speedup_vs_plain', float('nan')):>10.2f}{tau:>8}{drafts:>10}{same:>10}{live:>15}")
     lines += ["", "summary: DSpark (shipped generation config) × plain generate per domain", *summary_table(report)]
     for key in ("dspark_overhead", "dflash_overhead"):
         o = report.get(key)
@@ -236,15 +242,17 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def summary_table(report: dict[str, Any], method: str = "dspark") -> list[str]:
-    """One Markdown row per domain: × plain and live τ of `method` in each mode (the README/model-card table)."""
+    """One Markdown row per domain: × plain (whole calls, and decoding after the prefill) and live τ of `method` in
+    each mode (the README/model-card table)."""
     modes = list(next(iter(report["domains"].values()))["modes"]) if report["domains"] else []
-    header = "| domain | " + " | ".join(f"{m} × plain | {m} τ | {m} drafts/round" for m in modes) + " |"
-    rows = [header, "|" + "---|" * (1 + 3 * len(modes))]
+    header = "| domain | " + " | ".join(f"{m} × plain | {m} decode × plain | {m} τ | {m} drafts/round" for m in modes) + " |"
+    rows = [header, "|" + "---|" * (1 + 4 * len(modes))]
     for domain, result in report["domains"].items():
         cells = []
         for mode in modes:
             r = result["modes"][mode].get(method, {})
             cells += [f"{r['speedup_vs_plain']:.2f}" if "speedup_vs_plain" in r else "-",
+                      f"{r['decode_speedup_vs_plain']:.2f}" if "decode_speedup_vs_plain" in r else "-",
                       f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-",
                       f"{r['mean_drafts_per_round']:.2f}" if "mean_drafts_per_round" in r else "-"]
         rows.append(f"| {domain} | " + " | ".join(cells) + " |")

@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from . import DSparkConfig, DSparkForDrafting
 from .cache import HiddenStateCache
@@ -163,22 +165,78 @@ def merge_generation_stats(stats_list) -> Any:
         merged.verify_time_s += s.verify_time_s
         merged.confidence_predicted += getattr(s, "confidence_predicted", 0.0)  # older remote code lacks them
         merged.confidence_observed += getattr(s, "confidence_observed", 0)
+        for name in ("confidence_verified", "lookup_rounds", "lookup_drafted", "lookup_accepted"):
+            setattr(merged, name, getattr(merged, name, 0) + getattr(s, name, 0))
     return merged
+
+
+class FirstTokenClock(BaseStreamer):
+    """Notes when the first new token arrives (the prompt is streamed first): where the prefill ends and decoding
+    starts. The prefill is the same target forward with or without a drafter, so speed-ups of decoding are measured
+    after it (long prompts and short answers otherwise dilute them, and at T = 1 answers of different lengths
+    weigh the prefill differently)."""
+
+    def __init__(self):
+        self.prompt_seen = False
+        self.first_token_at: float | None = None
+
+    def put(self, value):
+        if not self.prompt_seen:
+            self.prompt_seen = True
+        elif self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+@dataclass
+class TimedGeneration:
+    tokens: torch.Tensor  # the new token ids
+    seconds: float  # the whole generate call
+    prefill_seconds: float  # until the first new token
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens after the first (which the prefill itself yields)."""
+        return max(self.tokens.numel() - 1, 0)
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.seconds - self.prefill_seconds
+
+
+def timed_generation(target, inputs, max_new_tokens: int, do_sample: bool, seed: int = 0, **kwargs) -> TimedGeneration:
+    """One `generate` call timed whole and up to its first new token; sampling reseeded per call so runs compare."""
+    clock = FirstTokenClock()
+    settings = _generate_settings(target, max_new_tokens, do_sample, streamer=clock, **kwargs)
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    out = target.generate(**inputs, **settings)
+    seconds = time.perf_counter() - start
+    prefill = (clock.first_token_at or start + seconds) - start
+    return TimedGeneration(out[0, inputs["input_ids"].shape[1]:], seconds, min(prefill, seconds))
 
 
 def timed_generate(target, inputs, max_new_tokens: int, do_sample: bool, seed: int = 0, **kwargs):
     """(new token ids, seconds) of one `generate` call; sampling reseeded per call so runs are comparable."""
+    settings = _generate_settings(target, max_new_tokens, do_sample, **kwargs)
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    out = target.generate(**inputs, **settings)
+    elapsed = time.perf_counter() - start
+    return out[0, inputs["input_ids"].shape[1]:], elapsed
+
+
+def _generate_settings(target, max_new_tokens: int, do_sample: bool, **kwargs) -> dict[str, Any]:
+    """The bench's decoding settings: greedy, or pure T = 1 sampling (no top-k/top-p from the target's config)."""
     settings = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=target.generation_config.eos_token_id)
     if do_sample:
         settings.update(temperature=1.0, top_k=0, top_p=1.0)
     else:
         settings.update(temperature=None, top_k=None, top_p=None)
     settings.update(kwargs)
-    torch.manual_seed(seed)
-    start = time.perf_counter()
-    out = target.generate(**inputs, **settings)
-    elapsed = time.perf_counter() - start
-    return out[0, inputs["input_ids"].shape[1]:], elapsed
+    return settings
 
 
 def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_new_tokens: int = 96,
@@ -220,11 +278,18 @@ def live_acceptance(stats) -> dict[str, Any]:
     drafted, accepted, N = stats.drafted, stats.accepted, stats.num_draft_tokens
     proposed = [sum(d >= k for d in drafted) for k in range(1, N + 1)]
     reached = [sum(d >= k and a >= k - 1 for a, d in zip(accepted, drafted)) for k in range(1, N + 1)]
-    verified = sum(min(d, a + 1) for a, d in zip(accepted, drafted))  # drafts verification reached
+    # drafts verification reached: the drafter's own (prompt-lookup drafts have no confidence); older remote code
+    # counted none, and drafted nothing but its own
+    verified = getattr(stats, "confidence_verified", None)
+    if verified is None:
+        verified = sum(min(d, a + 1) for a, d in zip(accepted, drafted))
     live_calibration = {}
     if verified and getattr(stats, "confidence_predicted", 0.0):  # the hardware schedule's recalibrated confidences
         live_calibration = {"live_confidence_mean": stats.confidence_predicted / verified,
                             "live_acceptance_rate": stats.confidence_observed / verified}
+    if getattr(stats, "lookup_rounds", 0):
+        live_calibration.update(lookup_rounds=stats.lookup_rounds, lookup_drafted=stats.lookup_drafted,
+                                lookup_accepted=stats.lookup_accepted)
     return {
         **live_calibration,
         "rounds": stats.rounds,
@@ -466,4 +531,5 @@ __all__ = [
     "offline_metrics",
     "online_metrics",
     "timed_generate",
+    "timed_generation",
 ]

@@ -61,6 +61,7 @@ def run_demo(target, tokenizer, drafter, prompts: list[list[dict]], max_new_toke
         "rounds": merged.rounds,
         "drafts_per_round": sum(merged.drafted) / max(merged.rounds, 1),
         "drafts_per_round_histogram": [merged.drafted.count(k) for k in range(merged.num_draft_tokens + 1)],
+        "lookup_rounds": getattr(merged, "lookup_rounds", 0),  # rounds whose drafts came from prompt lookup
         "plain_tokens_per_s": plain_tokens / max(plain_s, 1e-9),
         "dspark_tokens_per_s": spec_tokens / max(spec_s, 1e-9),
     }
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     print("acceptance per position, conditional: " + " ".join(f"{a:.2f}" for a in result["acceptance_conditional"]))
     print("acceptance per position, cumulative : " + " ".join(f"{a:.2f}" for a in result["acceptance_cumulative"]))
     histogram = ", ".join(f"{k}: {n}" for k, n in enumerate(result["drafts_per_round_histogram"]) if n)
-    print(f"drafts per round chosen by the schedule: {result['drafts_per_round']:.2f} on average (rounds by drafts: {histogram})")
+    print(f"drafts per round chosen by the schedule: {result['drafts_per_round']:.2f} on average (rounds by drafts: {histogram}; "
+          f"{result['lookup_rounds']} of {result['rounds']} rounds verified prompt-lookup drafts)")
     print(f"speed: plain {result['plain_tokens_per_s']:.1f} tok/s, DSpark {result['dspark_tokens_per_s']:.1f} tok/s "
           f"-> {result['speedup']:.2f}× (this run, {args.dtype})")
     print(f"demo wall time {time.perf_counter() - start:.0f} s")

@@ -180,14 +180,16 @@ stage "6/8 calibrate the confidence head (STS on the multi-domain validation cac
   --target smollm2 --output-dir "$WORK/dspark-calibrated" | tee "$WORK/calibration.txt"
 
 stage "7/8 export bf16 drafters (embed_tokens/lm_head omitted, bound from the target at load)"
-to_bf16() {  # $1 = source drafter dir, $2 = destination, $3 = draft schedule of the shipped generation config
+to_bf16() {  # $1 = source drafter dir, $2 = destination, $3 = draft schedule of the shipped generation config,
+             # $4 = its prompt-lookup n-gram size (0: off; lookup drafts are priced by the hardware schedule)
   [ -f "$2/model.safetensors" ] && return
   $PY -c 'import sys, torch; from dspark_hf import DSparkForDrafting
 m = DSparkForDrafting.from_pretrained(sys.argv[1], dtype=torch.bfloat16)  # d2t/t2d stay int64/bool
-assert m.config.bind_target_embeddings; m.generation_config.dspark_schedule = sys.argv[3]; m.save_pretrained(sys.argv[2])' "$1" "$2" "$3"
+assert m.config.bind_target_embeddings; m.generation_config.dspark_schedule = sys.argv[3]
+m.generation_config.dspark_lookup_ngram_size = int(sys.argv[4]) or None; m.save_pretrained(sys.argv[2])' "$1" "$2" "$3" "$4"
 }
-to_bf16 "$WORK/dspark-calibrated" "$OUT_DSPARK" hardware
-to_bf16 "$WORK/$LAST_CYCLE-dflash/drafter" "$OUT_DFLASH" fixed
+to_bf16 "$WORK/dspark-calibrated" "$OUT_DSPARK" hardware 4
+to_bf16 "$WORK/$LAST_CYCLE-dflash/drafter" "$OUT_DFLASH" fixed 0
 
 stage "8/8 eval (offline on the validation cache) and bench per domain (test-split prompts; HumanEval held out)"
 EVAL=(--cache "$WORK/cache-validation" --num-prompts 0 --threads "$THREADS")
@@ -201,7 +203,7 @@ BENCH=(--model "$OUT_DSPARK" --dflash "$OUT_DFLASH" --prompts chitchat wordnet-n
 # in its checkpoint's bf16 (what from_pretrained loads; the bench's --drafter-dtype default).
 [ -f "$OUT_DSPARK/bench-bf16.json" ] || $CLI bench "${BENCH[@]}" --dtype bfloat16 --plots "$OUT_DSPARK" \
   --methods plain prompt-lookup dflash dspark-fixed dspark --json "$OUT_DSPARK/bench-bf16.json"
-[ -f "$OUT_DSPARK/bench-fp32.json" ] || $CLI bench "${BENCH[@]}" --dtype float32 --num-prompts "${BENCH_PROMPTS_FP32:-2}" \
+[ -f "$OUT_DSPARK/bench-fp32.json" ] || $CLI bench "${BENCH[@]}" --dtype float32 --num-prompts "${BENCH_PROMPTS_FP32:-3}" \
   --methods plain dspark --json "$OUT_DSPARK/bench-fp32.json"
 $PY examples/model_card.py "$OUT_DSPARK" "$WORK" "$OUT_DFLASH" "$(( $(date +%s) - START ))" "$STEPS CONTINUE_STEPS=$CONTINUE_STEPS" "$SIZE"
 stage "done: $OUT_DSPARK ($(du -sh "$OUT_DSPARK" | cut -f1)), $OUT_DFLASH ($(du -sh "$OUT_DFLASH" | cut -f1))"

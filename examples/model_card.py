@@ -48,6 +48,7 @@ def speed_rows(benches: list[dict]) -> dict:
                     "plain tok/s": round(methods["plain"]["tokens_per_s"], 1),
                     "DSpark tok/s": round(row["tokens_per_s"], 1),
                     "× plain": f"{row['speedup_vs_plain']:.2f}",
+                    "decode × plain": f"{row['decode_speedup_vs_plain']:.2f}" if "decode_speedup_vs_plain" in row else "-",
                     "τ live": f"{row['mean_accepted_length']:.2f}",
                     "drafts/round": f"{row['mean_drafts_per_round']:.2f}",
                 }
@@ -140,7 +141,9 @@ def main(out: Path, work: Path, dflash: Path, seconds: int, steps: str, size: st
         description=f"The default drafter of dspark-hf: a {config.num_hidden_layers}-layer DSpark drafter for "
                     "SmolLM2-135M-Instruct trained on 2 CPU cores, drafting with the hardware-aware schedule "
                     "(`dspark_schedule: \"hardware\"`: each round verifies the number of drafts that maximises "
-                    "expected tokens per second, none when drafting does not pay). The checkpoint omits the frozen `embed_tokens`/`lm_head` (`bind_target_embeddings`); "
+                    "expected tokens per second, none when drafting does not pay; under greedy decoding it picks k "
+                    "after seeing the whole block's confidences) and prompt-lookup drafts priced by the same schedule "
+                    "(`dspark_lookup_ngram_size: 4`). The checkpoint omits the frozen `embed_tokens`/`lm_head` (`bind_target_embeddings`); "
                     "they are copied from the target on the first `generate`. Generation with it is lossless.")
     card.save(out / "README.md")
     print(f"model card -> {out / 'README.md'}")

@@ -9,10 +9,11 @@ end to end on a tiny model; the drafter shipped in examples/smollm2-dspark loads
 from __future__ import annotations
 
 import argparse
-import json
 import importlib.util
+import json
 import math
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,28 @@ def test_online_stats_add_up_and_greedy_is_lossless(tiny):
     assert sampled["mode"] == "sampling T=1" and sampled["rounds"] > 0
 
 
+def test_timed_generation_splits_the_prefill_from_decoding(tiny):
+    """The first token comes from the prefill: decoding is timed from its arrival, with or without a drafter."""
+    from dspark_hf.evaluation import encode_prompt, timed_generation
+
+    target, tokenizer, drafter = tiny
+    inputs = encode_prompt(tokenizer, PROMPTS[0])
+    prefill_ends = []
+    hook = target.register_forward_hook(lambda *args: prefill_ends.append(time.perf_counter()) if not prefill_ends else None)
+    try:
+        for kwargs in ({}, {"assistant_model": drafter}):
+            prefill_ends.clear()
+            start = time.perf_counter()
+            timed = timed_generation(target, inputs, 8, False, min_new_tokens=8, **kwargs)
+            assert timed.tokens.numel() == 8 and timed.decode_tokens == 7
+            assert prefill_ends[0] - start <= timed.prefill_seconds < timed.seconds  # after the prefill's forward
+            assert timed.decode_seconds == pytest.approx(timed.seconds - timed.prefill_seconds)
+        single = timed_generation(target, inputs, 1, False)
+        assert single.decode_tokens == 0 and single.prefill_seconds == pytest.approx(single.seconds, abs=5e-3)
+    finally:
+        hook.remove()
+
+
 def test_eval_and_bench_commands_run_on_a_tiny_model(tiny, tmp_path, capsys):
     from dspark_hf import benchmark, evaluation
 
@@ -151,6 +174,7 @@ def test_eval_and_bench_commands_run_on_a_tiny_model(tiny, tmp_path, capsys):
     assert len(live["acceptance_conditional_rounds"]) == drafter.num_draft_tokens
     assert live["acceptance_cumulative_rounds"][0] == live["rounds"] - live["drafts_per_round_histogram"][0]
     assert (tmp_path / "bench-plots" / "acceptance.png").stat().st_size > 0
+    assert "decode ×" in out and live["decode_speedup_vs_plain"] > 0 and live["decode_tokens_per_s"] > 0
 
     # `make drafter`'s sizing bench: fixed blocks against plain only; the drafter's round cost is still measured.
     args = parser.parse_args(["--model", str(tmp_path / "dspark"), "--target", str(tmp_path / "target"), "--prompts",

@@ -1,5 +1,5 @@
-"""Hardware-aware draft length: the verify-cost profile, the schedule's choices, the drafter back-off, and that
-generation stays lossless with the schedule on. Profiles are synthetic (injected), so nothing here is timed."""
+"""Hardware-aware draft length: the verify-cost profile, the schedule's choices, the drafter back-off, prompt-lookup
+drafts priced by the same schedule, and that generation stays lossless with the schedule on. Profiles are synthetic (injected), so nothing here is timed."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from dspark_hf.remote_code import modeling_dspark
 from dspark_hf.remote_code.modeling_dspark import (
     DSparkDrafterBackoff,
     DSparkHardwareAwareSchedule,
+    DSparkPromptLookup,
     DSparkVerifyProfile,
     load_or_measure_verify_profile,
     verify_profile_key,
@@ -91,6 +92,36 @@ def test_no_drafts_when_the_drafter_costs_more_than_it_saves():
 def test_block_stops_where_confidence_drops():
     schedule = DSparkHardwareAwareSchedule(linear_profile(0.1), draft_time_s=0.05)
     assert drafted(schedule, [0.95, 0.95, 0.9, 0.05, 0.95, 0.95, 0.95]) == 3
+
+
+def test_min_gain_raises_the_bar_for_drafting_but_not_the_length_of_a_drafted_block():
+    """A drafted round must promise `min_gain` × a plain step's rate; among drafted lengths nothing changes."""
+    marginal, sure = [0.45] * 7, [0.95, 0.95, 0.9, 0.05, 0.95, 0.95, 0.95]
+    plain_bar = DSparkHardwareAwareSchedule(linear_profile(0.3), draft_time_s=0.05)
+    raised_bar = DSparkHardwareAwareSchedule(linear_profile(0.3), draft_time_s=0.05, min_gain=1.3)
+    assert drafted(plain_bar, marginal) > 0 and drafted(raised_bar, marginal) == 0
+    assert drafted(plain_bar, sure) == drafted(raised_bar, sure) == 3
+
+
+def proposed(schedule: DSparkHardwareAwareSchedule, confidences: list[float]) -> int:
+    """How many drafts a lookahead schedule proposes after drafting while it admits (`finish` may cut back)."""
+    return schedule.finish(drafted(schedule, confidences))
+
+
+def test_greedy_lookahead_sees_past_a_weak_first_draft_and_cuts_back_after_a_dip():
+    """Left to right, c_1 = 0.15 projects a hopeless block; seeing c_2.. = 0.95 the whole block pays. Where the
+    verify cost jumps at k = 3, three sure drafts lure a left-to-right schedule past it; with lookahead it drafts
+    on (later drafts could have been sure), sees c_4 fall and proposes k = 2, the better stop."""
+    weak_start = [0.15] + [0.95] * 6
+    left_to_right = DSparkHardwareAwareSchedule(linear_profile(0.1), draft_time_s=0.05)
+    lookahead = DSparkHardwareAwareSchedule(linear_profile(0.1), draft_time_s=0.05, lookahead=True)
+    assert drafted(left_to_right, weak_start) == 0 and proposed(lookahead, weak_start) == 7
+    assert drafted(lookahead, [0.01] * 7) == 0  # nothing later could rescue it: the drafter stops at once
+
+    jump, fall = synthetic_profile([1.0, 1.2, 1.4, 2.5, 2.6, 2.7, 2.8, 2.9]), [0.9, 0.9, 0.9, 0.2, 0.2, 0.2, 0.2]
+    assert drafted(DSparkHardwareAwareSchedule(jump, draft_time_s=0.05), fall) >= 3
+    lookahead = DSparkHardwareAwareSchedule(jump, draft_time_s=0.05, lookahead=True)
+    assert drafted(lookahead, fall) == 3 and lookahead.finish(3) == 2
 
 
 def test_schedule_follows_the_context_length_and_the_live_verify_speed():
@@ -168,11 +199,11 @@ def test_online_bias_learns_from_the_drafts_verification_reached():
     """Each reached draft (all before it accepted) is one outcome; drafts after the first rejection teach nothing."""
     schedule = DSparkHardwareAwareSchedule(linear_profile(0.0), draft_time_s=0.0)
     assert drafted(schedule, [0.5] * 3) == 3
-    assert schedule.observe_outcome(3, 0) == (pytest.approx(0.5), 0)  # draft 1 rejected: drafts 2, 3 never verified
+    assert schedule.observe_outcome(3, 0) == (pytest.approx(0.5), 0, 1)  # draft 1 rejected: drafts 2, 3 never verified
     assert schedule.bias == pytest.approx(-schedule.recalibration_rate * 0.5)
     drafted(schedule, [0.5] * 3)
-    predicted, accepted = schedule.observe_outcome(3, 3)  # all three accepted: the bias rises again
-    assert accepted == 3 and schedule.bias > 0
+    predicted, accepted, reached = schedule.observe_outcome(3, 3)  # all three accepted: the bias rises again
+    assert accepted == reached == 3 and schedule.bias > 0
     for _ in range(500):  # a long run of misses lowers confidences, but never pins them at 0
         drafted(schedule, [0.9] * 3)
         schedule.observe_outcome(3, 0)
@@ -254,6 +285,41 @@ def test_greedy_with_hardware_schedule_is_token_identical(architecture, slope):
             assert sum(stats.drafted) > 0
 
 
+def test_greedy_lookahead_proposes_fewer_than_it_drafted_and_stays_token_identical(monkeypatch):
+    """An uncalibrated confidence head (c_n all over the place) under a steep profile: rounds are cut back after
+    drafting, and greedy output is still exactly plain generate's."""
+    target = make_tiny_target("llama")
+    drafter = scheduled_drafter(target, [1.0, 1.05, 1.1, 2.5, 2.6, 2.7], confident=False)
+    cuts, original = [], DSparkHardwareAwareSchedule.finish
+
+    def finish(self, num_drafted):
+        kept = original(self, num_drafted)
+        cuts.append((num_drafted, kept))
+        return kept
+
+    monkeypatch.setattr(DSparkHardwareAwareSchedule, "finish", finish)
+    for prompt in PROMPTS:
+        expected = greedy(target, prompt, max_new_tokens=24, eos_token_id=None)
+        assert torch.equal(greedy(target, prompt, max_new_tokens=24, eos_token_id=None, assistant_model=drafter), expected)
+    assert any(kept < num for num, kept in cuts) and any(kept > 0 for _, kept in cuts)
+
+
+def test_lookahead_is_on_for_greedy_only_and_can_be_turned_off(monkeypatch):
+    seen, original = [], DSparkHardwareAwareSchedule.finish
+    monkeypatch.setattr(DSparkHardwareAwareSchedule, "finish", lambda self, n: seen.append(self.lookahead) or original(self, n))
+    target = make_tiny_target("llama")
+    drafter = scheduled_drafter(target, [1.0 + 0.1 * k for k in range(6)])
+    greedy(target, PROMPTS[0], max_new_tokens=8, eos_token_id=None, assistant_model=drafter)
+    assert seen and all(seen)
+    greedy_rounds = len(seen)
+    target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=True, eos_token_id=None, pad_token_id=0,
+                    assistant_model=drafter)
+    assert len(seen) == greedy_rounds  # sampling never cuts a block back
+    drafter.generation_config.dspark_lookahead = False
+    greedy(target, PROMPTS[0], max_new_tokens=8, eos_token_id=None, assistant_model=drafter)
+    assert len(seen) > greedy_rounds and not any(seen[greedy_rounds:])
+
+
 def test_skipped_rounds_reach_the_drafter_context_in_one_later_extension(monkeypatch):
     """Rounds that skip the drafter stash their aux rows; when it runs again its context equals a fresh one."""
     target = make_tiny_target("llama")
@@ -304,6 +370,19 @@ def test_explicit_threshold_knob_takes_precedence_over_the_hardware_schedule():
     assert sum(drafter.last_generation_stats.drafted) > 0
 
 
+def test_min_gain_knob_reaches_the_schedule_and_bad_values_fail_clearly():
+    target = make_tiny_target("llama")
+    drafter = scheduled_drafter(target, [1.0 + 0.2 * k for k in range(6)])
+    greedy(target, PROMPTS[0], max_new_tokens=12, eos_token_id=None, assistant_model=drafter)
+    assert sum(drafter.last_generation_stats.drafted) > 0
+    drafter.generation_config.dspark_min_gain = 50.0  # no round can promise 50× a plain step
+    greedy(target, PROMPTS[0], max_new_tokens=12, eos_token_id=None, assistant_model=drafter)
+    assert sum(drafter.last_generation_stats.drafted) == 0
+    drafter.generation_config.dspark_min_gain = "fast"
+    with pytest.raises(ValueError, match="dspark_min_gain='fast' is not a positive number"):
+        greedy(target, PROMPTS[0], max_new_tokens=4, assistant_model=drafter)
+
+
 def test_unknown_schedule_name_fails_clearly():
     target = make_tiny_target("llama")
     drafter = scheduled_drafter(target, None)
@@ -314,8 +393,100 @@ def test_unknown_schedule_name_fails_clearly():
 
 def test_shipped_generation_config_turns_the_hardware_schedule_on():
     settings = json.loads((EXAMPLE / "generation_config.json").read_text())
-    assert settings["dspark_schedule"] == "hardware"
+    assert settings["dspark_schedule"] == "hardware" and settings["dspark_lookup_ngram_size"] == 4
     assert "dspark_confidence_threshold" not in settings and "dspark_verify_cost" not in settings
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompt-lookup drafts, priced by the hardware schedule against the drafter's
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match_of_the_longest_suffix():
+    lookup = DSparkPromptLookup(max_ngram=3, max_tokens=4)
+    tokens, ngram = lookup.propose(torch.tensor([[5, 6, 7, 8, 5, 6]]), budget=3)
+    assert ngram == 2 and tokens.tolist() == [7, 8, 5]
+    tokens, ngram = lookup.propose(torch.tensor([[1, 2, 9, 1, 2, 7, 1, 2]]), budget=8)
+    assert ngram == 2 and tokens.tolist() == [7, 1, 2]  # the latest earlier occurrence, not the first
+    tokens, ngram = lookup.propose(torch.tensor([[4, 1, 2, 3, 9, 1, 2, 3]]), budget=8)
+    assert ngram == 3 and tokens.tolist() == [9, 1, 2, 3]  # the longest n-gram that occurs; at most max_tokens
+    assert lookup.propose(torch.tensor([[1, 2, 3]]), budget=4)[1] == 0
+
+
+def test_prompt_lookup_learns_its_acceptance_per_ngram_size():
+    lookup = DSparkPromptLookup(max_ngram=3, max_tokens=7)
+    assert lookup.survivals(1, 2) == [0.25, 0.0625] and lookup.survivals(3, 1) == [0.5]  # longer matches start higher
+    lookup.observe(2, num_drafted=4, num_accepted=4)
+    lookup.observe(1, num_drafted=4, num_accepted=0)  # only the first draft was reached
+    assert lookup.survivals(2, 1) == [pytest.approx((1.6 + 4) / (4 + 4))]
+    assert lookup.survivals(1, 1) == [pytest.approx(1 / 5)] and lookup.survivals(3, 1) == [0.5]
+
+
+def lookup_drafter(target, profile_times):
+    """A drafter whose own drafts never pay (c_n ≈ 0), prompt lookup on."""
+    drafter = scheduled_drafter(target, profile_times, confident=False)
+    with torch.no_grad():
+        drafter.confidence_head.proj.bias.fill_(-12.0)
+    drafter.generation_config.dspark_lookup_ngram_size = 3
+    return drafter
+
+
+def test_greedy_with_prompt_lookup_is_token_identical():
+    target = make_tiny_target("llama")
+    drafter = lookup_drafter(target, [1.0] * 6)
+    lookup_rounds = 0
+    for prompt in PROMPTS:
+        expected = greedy(target, prompt, max_new_tokens=32, eos_token_id=None)
+        assert torch.equal(greedy(target, prompt, max_new_tokens=32, eos_token_id=None, assistant_model=drafter), expected)
+        stats = drafter.last_generation_stats
+        assert stats.lookup_accepted <= stats.lookup_drafted <= sum(stats.drafted)
+        lookup_rounds += stats.lookup_rounds
+    assert lookup_rounds > 0 and drafter.dspark_lookup_counts  # kept on the drafter for the next call
+    drafter.generation_config.dspark_lookup_ngram_size = 0
+    greedy(target, PROMPTS[0], max_new_tokens=32, eos_token_id=None, assistant_model=drafter)
+    assert drafter.last_generation_stats.lookup_rounds == 0
+
+
+def test_prompt_lookup_drafts_stop_where_plain_generate_stops():
+    """A custom stopping criterion firing inside a lookup block: the round ends on it, as plain generate does."""
+    from test_generate_options import StopAfterToken
+    from transformers import StoppingCriteriaList
+
+    target = make_tiny_target("llama")
+    drafter = lookup_drafter(target, [1.0] * 6)
+    lookup_rounds = 0
+    for prompt in PROMPTS:
+        plain = greedy(target, prompt, max_new_tokens=32, eos_token_id=None)
+        for at in (5, 11, 20):
+            criteria = StoppingCriteriaList([StopAfterToken(int(plain[0, len(prompt) + at]))])
+            expected = greedy(target, prompt, max_new_tokens=32, eos_token_id=None, stopping_criteria=criteria)
+            out = greedy(target, prompt, max_new_tokens=32, eos_token_id=None, stopping_criteria=criteria,
+                         assistant_model=drafter)
+            assert torch.equal(out, expected), (prompt, at)
+            lookup_rounds += drafter.last_generation_stats.lookup_rounds
+    assert lookup_rounds > 0
+
+
+def test_sampling_with_prompt_lookup_matches_plain_sampling():
+    """Lookup drafts carry a one-hot q: speculative sampling accepts x with probability p(x), so T = 1 stays exact."""
+    target, drafter = sampling_setup("vanilla")
+    drafter.generation_config.dspark_schedule = "hardware"
+    drafter.generation_config.dspark_lookup_ngram_size = 2
+    drafter.dspark_verify_profile = synthetic_profile([1.0, 1.0, 1.0], key=verify_profile_key(target))
+    with torch.no_grad():
+        drafter.confidence_head.proj.bias.fill_(-12.0)
+    counts = sample_pairs(target, drafter, 1.0, seed=3)
+    assert chi_square_p_value(counts, exact_pair_distribution(target, 1.0)) > ALPHA
+    verified = sum(reached - DSparkPromptLookup.prior_weight for by_size in drafter.dspark_lookup_counts.values()
+                   for _, reached in by_size.values())
+    assert verified > 100  # lookup drafts were verified hundreds of times
+
+
+def test_lookup_knob_must_be_an_ngram_size():
+    target = make_tiny_target("llama")
+    drafter = scheduled_drafter(target, [1.0] * 6)
+    drafter.generation_config.dspark_lookup_ngram_size = "yes"
+    with pytest.raises(ValueError, match="dspark_lookup_ngram_size='yes' is not an n-gram size"):
+        greedy(target, PROMPTS[0], max_new_tokens=4, assistant_model=drafter)
 
 
 # ----------------------------------------------------------------------------------------------------------------

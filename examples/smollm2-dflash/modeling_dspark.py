@@ -388,7 +388,8 @@ class DSparkConfidenceHead(nn.Module):
 
 # ------------------------------------------------------------------------------------------------------------------
 # Draft schedules: decide, left to right, whether draft n of a block is proposed for verification. They see only the
-# calibrated confidence c_n, which depends on the tokens before n, so every schedule is lossless.
+# calibrated confidence c_n, which depends on the tokens before n, so every schedule is lossless (a schedule may also
+# cut the block back after drafting it, `finish`, which only greedy decoding allows: see DSparkHardwareAwareSchedule).
 
 
 class DSparkDraftSchedule:
@@ -402,6 +403,10 @@ class DSparkDraftSchedule:
         """Draft n's calibrated c_n -> True: propose draft n; False: end the block before it."""
         self.survival *= confidence
         return True
+
+    def finish(self, num_drafted: int) -> int:
+        """After the block: how many of its drafts to propose (all of them; a lookahead schedule may cut back)."""
+        return num_drafted
 
 
 class DSparkThresholdSchedule(DSparkDraftSchedule):
@@ -703,6 +708,8 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         # The hardware schedule's online confidence bias per decoding setting, kept across generate calls (clear it
         # to start over, e.g. after switching to another kind of prompt).
         self.dspark_confidence_bias: dict[tuple, float] = {}
+        # ... and the acceptance counts of prompt-lookup drafts per decoding setting (`DSparkPromptLookup`).
+        self.dspark_lookup_counts: dict[tuple, dict[int, list[float]]] = {}
         self.post_init()
         self.embed_tokens.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)
@@ -993,6 +1000,8 @@ class DSparkForDrafting(DSparkPreTrainedModel):
             draft_logits.append(logits)
             if scores is not None:
                 target_logits.append(scores)
+        keep = len(tokens) if chooser.do_sample else schedule.finish(len(tokens))  # cutting back is for greedy only
+        tokens, draft_logits, target_logits, confidences = tokens[:keep], draft_logits[:keep], target_logits[:keep], confidences[:keep]
         confidences = torch.cat(confidences)[None] if confidences else None  # (1, n)
         return DSparkDraftOutput(
             token_ids=torch.stack(tokens, dim=1) if tokens else anchor.new_zeros((1, 0)),
@@ -1058,7 +1067,8 @@ class DSparkForDrafting(DSparkPreTrainedModel):
 # ------------------------------------------------------------------------------------------------------------------
 # Hardware-aware draft length (the DSpark paper's scheduler at batch 1): the target's measured verify cost t(k) for
 # k drafts, stored per target/device/dtype/torch under the Hugging Face cache home, and a schedule that drafts the k
-# maximising expected committed tokens per second, deciding draft n from c_1..c_n only.
+# maximising expected committed tokens per second, deciding draft n from c_1..c_n only when sampling (greedy: after
+# seeing the whole block), and prompt-lookup drafts priced by the same schedule.
 
 PROFILE_FORMAT = "dspark-verify-profile/2"  # /2: every k measured, no envelope (older files are re-measured)
 PROFILE_CONTEXT_LENGTHS = (128, 512)  # context lengths measured; others are interpolated
@@ -1280,10 +1290,19 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
     geometrically from the newest conditional confidence, â_m = a_n · c_n^(m-n) (the drafter's confidences are
     strongly correlated along a block, so the last one is the best guess for the next), and draft n is admitted iff
     the best ratio over every k ≥ n beats stopping at n-1. Stopping at 0 is a plain target step, costed t(0) without
-    the draft time (the back-off then skips the drafter), so drafting must beat plain decoding. t(k) comes from the
-    profile at the current context length, rescaled by how fast verify passes actually run now (a shared machine
+    the draft time (the back-off then skips the drafter), so drafting must beat plain decoding, and by `min_gain`: a
+    drafted round's cost counts `min_gain` times over, so it must promise that multiple of a plain step's rate (its
+    outcome is a gamble on a few probabilities, and a short generation never earns a lost round back; among drafted
+    lengths the comparison is unchanged). t(k) comes from the profile at the current context length, rescaled by how fast verify passes actually run now (a shared machine
     drifts); the draft time is a running mean of the drafter's own time per round. On a noisy profile the schedule
     falls back to the calibrated threshold rule (admit while a_n ≥ `fallback_threshold`).
+
+    Greedy decoding (`lookahead`) lifts the left-to-right restriction: greedy verification commits the target's own
+    argmax whatever is proposed, so any k is lossless, and the schedule drafts on while even certain later drafts
+    (c = 1) could beat the best stop so far, then proposes the k with the best expected rate given every c_n it saw
+    (`finish`). The geometric projection errs both ways (the conditionals usually fall along a block, and a dip is
+    often followed by confident drafts); when sampling, choosing k from later drafts would bias which drafts get
+    verified, so it stays left to right.
 
     The confidences were calibrated offline on greedy drafts of the training domains; sampling (a draft survives
     with probability Σ min(p, q), not 1[argmax match]) and unseen domains shift them. So each confidence gets a logit
@@ -1297,8 +1316,17 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
     recalibration_rate = 0.1  # SGD step of the online logit bias per verified draft
     max_bias = 4.0  # |bias| bound: a run of misses can lower confidences, never pin them at 0 or 1
 
-    def __init__(self, profile: DSparkVerifyProfile, max_drafts: int | None = None, draft_time_s: float | None = None):
+    def __init__(
+        self,
+        profile: DSparkVerifyProfile,
+        max_drafts: int | None = None,
+        draft_time_s: float | None = None,
+        min_gain: float = 1.0,
+        lookahead: bool = False,
+    ):
         self.profile = profile
+        self.min_gain = min_gain
+        self.lookahead = lookahead
         self.max_drafts = profile.max_drafts if max_drafts is None else min(max_drafts, profile.max_drafts)
         self.draft_time_s = draft_time_s
         self.verify_scale = 1.0
@@ -1315,14 +1343,14 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         if profiled > 0:
             self.verify_scale = self._smooth(self.verify_scale, seconds / profiled)
 
-    def observe_outcome(self, num_drafted: int, num_accepted: int) -> tuple[float, int]:
+    def observe_outcome(self, num_drafted: int, num_accepted: int) -> tuple[float, int, int]:
         """After verification of this round's `num_drafted` drafts: nudge the bias toward the outcomes of the drafts
-        verification reached. Returns (Σ predicted c_n, accepted) over them, for live calibration stats."""
+        verification reached. Returns (Σ predicted c_n, accepted, reached) over them, for live calibration stats."""
         reached = self._admitted[: min(num_drafted, num_accepted + 1)]
         for n, predicted in enumerate(reached, start=1):
             self.bias += self.recalibration_rate * (float(n <= num_accepted) - predicted)
         self.bias = min(max(self.bias, -self.max_bias), self.max_bias)
-        return sum(reached), min(num_accepted, len(reached))
+        return sum(reached), min(num_accepted, len(reached)), len(reached)
 
     def _smooth(self, old: float, new: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * new
@@ -1333,12 +1361,12 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
 
     def start(self):
         draft = self.draft_time_s or 0.0
-        self._costs = [  # k = 0 is a plain step: with the back-off the drafter then stops running too
-            self.verify_scale * self.profile.verify_time(k, self.context_length) + (draft if k else 0.0)
-            for k in range(self.max_drafts + 1)
-        ]
+        verify = [self.verify_scale * self.profile.verify_time(k, self.context_length) for k in range(self.max_drafts + 1)]
+        # k = 0 is a plain step: with the back-off the drafter then stops running too
+        self._costs = [verify[0]] + [self.min_gain * (t + draft) for t in verify[1:]]
         self._drafted, self.survival, self._expected = 0, 1.0, 1.0
         self._admitted: list[float] = []  # recalibrated c_n of the drafts admitted this round
+        self._ratios = [1.0 / self._costs[0]]  # expected tokens per second of stopping after k = 0, 1, ... drafts
 
     def admit(self, confidence: float) -> bool:
         n = self._drafted + 1
@@ -1348,12 +1376,43 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         survival = self.survival * confidence
         if self.profile.noisy:
             admitted = survival >= self.fallback_threshold
+        elif self.lookahead:  # draft on while even certain later drafts (c = 1) could beat the best stop so far
+            admitted = self._best_ratio_from(n, survival, 1.0) > max(self._ratios)
         else:
             admitted = self._best_ratio_from(n, survival, confidence) > self._expected / self._costs[n - 1]
         if admitted:
             self._drafted, self.survival, self._expected = n, survival, self._expected + survival
             self._admitted.append(confidence)
+            self._ratios.append(self._expected / self._costs[n])
         return admitted
+
+    def admitted_survivals(self) -> list[float]:
+        """a_1..a_k of the drafts this round proposes (recalibrated)."""
+        survivals, survival = [], 1.0
+        for confidence in self._admitted:
+            survival *= confidence
+            survivals.append(survival)
+        return survivals
+
+    def best_plan(self, survivals: list[float], drafter_ran: bool) -> tuple[int, float]:
+        """(k, expected tokens per second) of the best stop for drafts with these survivals a_1, a_2, ...: the
+        rate of a plain step for k = 0; the drafter's time counts when it ran this round, whoever drafted."""
+        draft = (self.draft_time_s or 0.0) if drafter_ran else 0.0
+        best, expected = (0, 1.0 / (self.verify_scale * self.profile.verify_time(0, self.context_length))), 1.0
+        for k, survival in enumerate(survivals[: self.max_drafts], start=1):
+            expected += survival
+            rate = expected / (self.min_gain * (self.verify_scale * self.profile.verify_time(k, self.context_length) + draft))
+            if rate > best[1]:
+                best = (k, rate)
+        return best
+
+    def finish(self, num_drafted: int) -> int:
+        """With lookahead, propose the k ≤ `num_drafted` whose expected rate is best, knowing every c_n drafted."""
+        if not self.lookahead or self.profile.noisy:
+            return num_drafted
+        best = max(range(num_drafted + 1), key=lambda k: self._ratios[k])
+        self._drafted, self._admitted = best, self._admitted[:best]
+        return best
 
     def _best_ratio_from(self, n: int, survival: float, confidence: float) -> float:
         best, expected, projected = 0.0, self._expected, survival
@@ -1386,15 +1445,66 @@ class DSparkDrafterBackoff:
         self.remaining = self.skip_next
 
 
-def make_hardware_schedule(drafter: "DSparkForDrafting", target: PreTrainedModel, max_drafts: int):
+class DSparkPromptLookup:
+    """Drafts copied from the context (prompt lookup): the tokens that followed the latest earlier occurrence of the
+    sequence's last n-gram, the longest of `max_ngram`..1 that occurs. Free to draft, and often right exactly where
+    the drafter is unsure: code restating its signature, a long chat quoting itself, a model repeating a phrase. The
+    hardware schedule prices them like the drafter's own, from survivals ℓ^n, where ℓ, the chance a lookup draft is
+    accepted once the ones before it were, is learned online per n-gram size: a Beta mean whose prior, worth
+    `prior_weight` drafts, is n / (n + 3) (a longer match is a better bet: 1-grams start at 1 in 4, 3-grams at 1 in 2),
+    so where verifying is dear (fp32 on a CPU) only long matches are tried until lookup has proven itself."""
+
+    prior_weight = 4.0
+
+    def __init__(self, max_ngram: int, max_tokens: int):
+        self.max_ngram, self.max_tokens = max_ngram, max_tokens
+        self.counts = {  # n-gram size -> [accepted, reached]
+            n: [self.prior_weight * n / (n + 3), self.prior_weight] for n in range(1, max_ngram + 1)
+        }
+
+    def propose(self, input_ids: torch.LongTensor, budget: int) -> tuple[torch.LongTensor, int]:
+        """(up to `budget` drafts (k,), the n-gram size matched); no drafts and size 0 when nothing matches."""
+        sequence = input_ids[0]
+        for n in range(min(self.max_ngram, sequence.shape[0] - 1), 0, -1):
+            earlier = sequence.unfold(0, n, 1)[:-1]  # every n-gram but the suffix itself
+            hits = (earlier == sequence[-n:]).all(dim=1).nonzero()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                return sequence[start : start + min(budget, self.max_tokens)], n
+        return sequence[:0], 0
+
+    def survivals(self, ngram: int, num_drafts: int) -> list[float]:
+        accepted, reached = self.counts[ngram]
+        return [(accepted / reached) ** n for n in range(1, num_drafts + 1)]
+
+    def observe(self, ngram: int, num_drafted: int, num_accepted: int):
+        """Each draft verification reached is one outcome: accepted, or the one rejected."""
+        self.counts[ngram][0] += num_accepted
+        self.counts[ngram][1] += min(num_drafted, num_accepted + 1)
+
+
+def make_hardware_schedule(drafter: "DSparkForDrafting", target: PreTrainedModel, max_drafts: int, lookahead: bool = False):
     """The schedule `dspark_schedule: "hardware"` asks for, or None (fixed-length drafting) without a confidence
-    head. Measures the verify profile on first use for this target, device, dtype and torch version."""
+    head. Measures the verify profile on first use for this target, device, dtype and torch version. `lookahead`
+    (greedy decoding only) lets the schedule choose k after seeing the whole block's confidences."""
     if drafter.confidence_head is None:
         return None
     profile = getattr(drafter, "dspark_verify_profile", None)  # injected (tests, benchmarks) or measured
     if profile is None or profile.key != verify_profile_key(target):
         profile = load_or_measure_verify_profile(target, max_drafts)
-    return DSparkHardwareAwareSchedule(profile, max_drafts)
+    return DSparkHardwareAwareSchedule(profile, max_drafts, min_gain=_min_gain(drafter.generation_config), lookahead=lookahead)
+
+
+def _min_gain(drafting: GenerationConfig) -> float:
+    """`dspark_min_gain` of the drafter's generation_config (1.0 when unset): how many times a plain step's rate a
+    drafted round must promise."""
+    value = getattr(drafting, "dspark_min_gain", None)
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"dspark_min_gain={value!r} is not a positive number; use e.g. 1.1 (draft only when a round "
+                         "promises 10% more than a plain step) or unset it.")
+    return float(value)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -1412,6 +1522,10 @@ class DSparkGenerationStats:
     verify_time_s: float = 0.0
     confidence_predicted: float = 0.0  # Σ recalibrated c_n over drafts verification reached (hardware schedule)
     confidence_observed: int = 0  # ... and how many of them were accepted
+    confidence_verified: int = 0  # ... of how many drafts
+    lookup_rounds: int = 0  # rounds whose drafts came from prompt lookup (included in drafted/accepted)
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
 
     @property
     def rounds(self) -> int:
@@ -1454,6 +1568,10 @@ class DSparkGenerationStats:
             "verify_time_s": self.verify_time_s,
             "confidence_predicted": self.confidence_predicted,
             "confidence_observed": self.confidence_observed,
+            "confidence_verified": self.confidence_verified,
+            "lookup_rounds": self.lookup_rounds,
+            "lookup_drafted": self.lookup_drafted,
+            "lookup_accepted": self.lookup_accepted,
         }
 
 
@@ -1515,13 +1633,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
         wants_all = generation_config.output_hidden_states and generation_config.return_dict_in_generate
         self.model_kwargs_overrides = {"output_hidden_states": True if wants_all else self.aux_layer_ids}
         self.num_drafts = int(getattr(drafter.generation_config, "num_assistant_tokens", None) or drafter.num_draft_tokens)
-        self.schedule = self._make_schedule(target)
+        self.schedule = self._make_schedule(target, do_sample=bool(generation_config.do_sample))
         # Hardware-aware drafting: after rounds that draft nothing the drafter itself rests (back-off), and the aux
         # rows of the rounds it skipped wait in `_pending_aux` until it runs again.
         self.backoff = DSparkDrafterBackoff() if isinstance(self.schedule, DSparkHardwareAwareSchedule) else None
         self._pending_aux: list[torch.Tensor] = []
         self.bias_key = _decoding_key(target, generation_config)
         self._resume_confidence_bias()
+        self.lookup = self._make_lookup()
+        self._lookup_ngram = 0  # n-gram size matched when this round's drafts came from prompt lookup, else 0
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor if logits_processor else None
         self.stopping_criteria = _stops_inside_a_round(stopping_criteria)
@@ -1534,7 +1654,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._verify_started = None
         self._prefilled = False
 
-    def _make_schedule(self, target: PreTrainedModel) -> DSparkDraftSchedule:
+    def _make_schedule(self, target: PreTrainedModel, do_sample: bool) -> DSparkDraftSchedule:
         """The draft schedule the drafter's generation_config asks for: `dspark_confidence_threshold` /
         `dspark_verify_cost` when set; else `dspark_schedule: "hardware"` (verify-cost profiled); else fixed length."""
         drafting = self.drafter.generation_config
@@ -1549,8 +1669,23 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 "dspark_confidence_threshold / dspark_verify_cost on the drafter's generation_config."
             )
         if mode == "hardware" and threshold is None and verify_cost is None and self.drafter.confidence_head is not None:
-            return make_hardware_schedule(self.drafter, target, self.num_drafts)
+            # greedy verification is exact for any proposal, so the schedule may choose k after seeing the block
+            lookahead = not do_sample and getattr(drafting, "dspark_lookahead", True) is not False
+            return make_hardware_schedule(self.drafter, target, self.num_drafts, lookahead)
         return draft_schedule(threshold, verify_cost)
+
+    def _make_lookup(self) -> DSparkPromptLookup | None:
+        """Prompt-lookup drafts (`dspark_lookup_ngram_size`: the longest n-gram matched; 0 or unset: off). The hardware
+        schedule prices them against the drafter's, so they need it; what they learned carries over between calls of
+        the same decoding settings, like the confidence bias."""
+        size = getattr(self.drafter.generation_config, "dspark_lookup_ngram_size", None)
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            raise ValueError(f"dspark_lookup_ngram_size={size!r} is not an n-gram size; use e.g. 3, or 0 to turn prompt lookup off.")
+        if not size or not isinstance(self.schedule, DSparkHardwareAwareSchedule):
+            return None
+        lookup = DSparkPromptLookup(size, self.num_drafts)
+        lookup.counts = self.drafter.dspark_lookup_counts.setdefault(self.bias_key, lookup.counts)
+        return lookup
 
     def _resume_confidence_bias(self):
         """The hardware schedule's online confidence bias carries over between generate calls with the same decoding
@@ -1619,6 +1754,26 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if not first_round:
             self.schedule.observe_draft_time(seconds)
 
+    def _prefer_lookup(self, input_ids, budget: int, drafter_ran: bool, candidates, candidate_logits):
+        """Prompt-lookup drafts instead of the drafter's when they promise more tokens per second (both priced by the
+        hardware schedule; the drafter's time this round is spent either way). When sampling their q is one-hot, so
+        speculative sampling accepts a lookup draft x with probability p(x): still lossless."""
+        tokens, ngram = self.lookup.propose(input_ids, budget)
+        if not ngram:
+            return candidates, candidate_logits
+        self.schedule.context_length = input_ids.shape[1]
+        k, rate = self.schedule.best_plan(self.lookup.survivals(ngram, tokens.shape[0]), drafter_ran)
+        own = self.schedule.best_plan(self.schedule.admitted_survivals()[: self._last_drafted] if drafter_ran else [], drafter_ran)
+        if k == 0 or rate <= own[1]:
+            return candidates, candidate_logits
+        self.generation_config.max_length = self.max_length  # undo a stop cut of the drafter's block
+        tokens = self._cut_at_stop(input_ids, tokens[None, :k].to(input_ids.device))
+        self._last_drafted, self._lookup_ngram = tokens.shape[1], ngram
+        if not self.do_sample or not self._last_drafted:
+            return torch.cat([input_ids, tokens], dim=-1), None
+        one_hot = torch.full((1, tokens.shape[1], self.drafter.config.vocab_size), -math.inf, device=input_ids.device)
+        return torch.cat([input_ids, tokens], dim=-1), one_hot.scatter_(-1, tokens[..., None], 0.0)
+
     def get_candidates(
         self,
         input_ids: torch.LongTensor,
@@ -1635,11 +1790,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return input_ids, None
         first_round = self.cache.get_seq_length() == 0
         candidates, candidate_logits = input_ids, None
+        self._lookup_ngram = 0
         drafter_runs = self._commit_context(input_ids, model_outputs)
         budget = min(self.num_drafts, self.max_length - input_ids.shape[1] - 1)
         if drafter_runs and budget > 0:
             candidates, candidate_logits = self._draft(input_ids, budget)
         self._observe_round(drafter_runs and budget > 0, first_round, time.perf_counter() - start)
+        if self.lookup is not None and budget > 0:
+            candidates, candidate_logits = self._prefer_lookup(input_ids, budget, drafter_runs, candidates, candidate_logits)
         self.stats.draft_time_s += time.perf_counter() - start
         self._verify_started = time.perf_counter()
         return candidates, candidate_logits
@@ -1654,17 +1812,27 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
             self.stats.drafted.append(self._last_drafted)
             self.stats.accepted.append(int(num_matches))
-            self._learn_confidence_bias(int(num_matches))
+            if self._lookup_ngram:
+                self._learn_lookup(int(num_matches))
+            else:
+                self._learn_confidence_bias(int(num_matches))
         self._prefilled = True
+
+    def _learn_lookup(self, num_accepted: int):
+        self.lookup.observe(self._lookup_ngram, self._last_drafted, num_accepted)
+        self.stats.lookup_rounds += 1
+        self.stats.lookup_drafted += self._last_drafted
+        self.stats.lookup_accepted += min(num_accepted, self._last_drafted)
 
     def _learn_confidence_bias(self, num_accepted: int):
         """Feed this round's verified drafts to the schedule's online bias, count them in the stats, and keep the
         bias on the drafter for the next call (see `_resume_confidence_bias`)."""
         if not isinstance(self.schedule, DSparkHardwareAwareSchedule) or not self._last_drafted:
             return
-        predicted, observed = self.schedule.observe_outcome(self._last_drafted, num_accepted)
+        predicted, observed, verified = self.schedule.observe_outcome(self._last_drafted, num_accepted)
         self.stats.confidence_predicted += predicted
         self.stats.confidence_observed += observed
+        self.stats.confidence_verified += verified
         self.drafter.dspark_confidence_bias[self.bias_key] = self.schedule.bias
 
 
