@@ -1359,11 +1359,14 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         confidence = min(max(confidence, 1e-6), 1 - 1e-6)
         return 1.0 / (1.0 + math.exp(-(math.log(confidence / (1 - confidence)) + self.bias)))
 
+    def round_cost(self, num_drafts: int, draft_s: float) -> float:
+        """Seconds a round verifying `num_drafts` drafts is charged: its verify pass plus `draft_s`, times `min_gain`.
+        k = 0 is a plain step: with the back-off the drafter then stops running too."""
+        verify = self.verify_scale * self.profile.verify_time(num_drafts, self.context_length)
+        return verify if num_drafts == 0 else self.min_gain * (verify + draft_s)
+
     def start(self):
-        draft = self.draft_time_s or 0.0
-        verify = [self.verify_scale * self.profile.verify_time(k, self.context_length) for k in range(self.max_drafts + 1)]
-        # k = 0 is a plain step: with the back-off the drafter then stops running too
-        self._costs = [verify[0]] + [self.min_gain * (t + draft) for t in verify[1:]]
+        self._costs = [self.round_cost(k, self.draft_time_s or 0.0) for k in range(self.max_drafts + 1)]
         self._drafted, self.survival, self._expected = 0, 1.0, 1.0
         self._admitted: list[float] = []  # recalibrated c_n of the drafts admitted this round
         self._ratios = [1.0 / self._costs[0]]  # expected tokens per second of stopping after k = 0, 1, ... drafts
@@ -1398,10 +1401,10 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         """(k, expected tokens per second) of the best stop for drafts with these survivals a_1, a_2, ...: the
         rate of a plain step for k = 0; the drafter's time counts when it ran this round, whoever drafted."""
         draft = (self.draft_time_s or 0.0) if drafter_ran else 0.0
-        best, expected = (0, 1.0 / (self.verify_scale * self.profile.verify_time(0, self.context_length))), 1.0
+        best, expected = (0, 1.0 / self.round_cost(0, draft)), 1.0
         for k, survival in enumerate(survivals[: self.max_drafts], start=1):
             expected += survival
-            rate = expected / (self.min_gain * (self.verify_scale * self.profile.verify_time(k, self.context_length) + draft))
+            rate = expected / self.round_cost(k, draft)
             if rate > best[1]:
                 best = (k, rate)
         return best
