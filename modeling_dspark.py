@@ -1293,8 +1293,8 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
     the draft time (the back-off then skips the drafter), so drafting must beat plain decoding, and by `min_gain`: a
     drafted round's cost counts `min_gain` times over, so it must promise that multiple of a plain step's rate (its
     outcome is a gamble on a few probabilities, and a short generation never earns a lost round back; among drafted
-    lengths the comparison is unchanged). t(k) comes from the profile at the current context length, rescaled by how fast verify passes actually run now (a shared machine
-    drifts); the draft time is a running mean of the drafter's own time per round. On a noisy profile the schedule
+    lengths the comparison is unchanged). t(k) comes from the profile at the current context length, rescaled by how
+    fast verify passes actually run now (a shared machine drifts); the draft time is a running mean of the drafter's own time per round. On a noisy profile the schedule
     falls back to the calibrated threshold rule (admit while a_n ≥ `fallback_threshold`).
 
     Greedy decoding (`lookahead`) lifts the left-to-right restriction: greedy verification commits the target's own

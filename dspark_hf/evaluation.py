@@ -163,9 +163,8 @@ def merge_generation_stats(stats_list) -> Any:
         merged.accepted += list(s.accepted)
         merged.draft_time_s += s.draft_time_s
         merged.verify_time_s += s.verify_time_s
-        merged.confidence_predicted += getattr(s, "confidence_predicted", 0.0)  # older remote code lacks them
-        merged.confidence_observed += getattr(s, "confidence_observed", 0)
-        for name in ("confidence_verified", "lookup_rounds", "lookup_drafted", "lookup_accepted"):
+        for name in ("confidence_predicted", "confidence_observed", "confidence_verified", "lookup_rounds",
+                     "lookup_drafted", "lookup_accepted"):  # older remote code lacks some of them
             setattr(merged, name, getattr(merged, name, 0) + getattr(s, name, 0))
     return merged
 
@@ -209,34 +208,30 @@ class TimedGeneration:
 def timed_generation(target, inputs, max_new_tokens: int, do_sample: bool, seed: int = 0, **kwargs) -> TimedGeneration:
     """One `generate` call timed whole and up to its first new token; sampling reseeded per call so runs compare."""
     clock = FirstTokenClock()
-    settings = _generate_settings(target, max_new_tokens, do_sample, streamer=clock, **kwargs)
-    torch.manual_seed(seed)
-    start = time.perf_counter()
-    out = target.generate(**inputs, **settings)
-    seconds = time.perf_counter() - start
+    tokens, start, seconds = _timed_call(target, inputs, max_new_tokens, do_sample, seed, streamer=clock, **kwargs)
     prefill = (clock.first_token_at or start + seconds) - start
-    return TimedGeneration(out[0, inputs["input_ids"].shape[1]:], seconds, min(prefill, seconds))
+    return TimedGeneration(tokens, seconds, min(prefill, seconds))
 
 
 def timed_generate(target, inputs, max_new_tokens: int, do_sample: bool, seed: int = 0, **kwargs):
     """(new token ids, seconds) of one `generate` call; sampling reseeded per call so runs are comparable."""
-    settings = _generate_settings(target, max_new_tokens, do_sample, **kwargs)
-    torch.manual_seed(seed)
-    start = time.perf_counter()
-    out = target.generate(**inputs, **settings)
-    elapsed = time.perf_counter() - start
-    return out[0, inputs["input_ids"].shape[1]:], elapsed
+    tokens, _, seconds = _timed_call(target, inputs, max_new_tokens, do_sample, seed, **kwargs)
+    return tokens, seconds
 
 
-def _generate_settings(target, max_new_tokens: int, do_sample: bool, **kwargs) -> dict[str, Any]:
-    """The bench's decoding settings: greedy, or pure T = 1 sampling (no top-k/top-p from the target's config)."""
+def _timed_call(target, inputs, max_new_tokens: int, do_sample: bool, seed: int, **kwargs):
+    """(new token ids, start time, seconds) of one `generate` call with the bench's decoding settings: greedy, or
+    pure T = 1 sampling (no top-k/top-p from the target's config)."""
     settings = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=target.generation_config.eos_token_id)
     if do_sample:
         settings.update(temperature=1.0, top_k=0, top_p=1.0)
     else:
         settings.update(temperature=None, top_k=None, top_p=None)
     settings.update(kwargs)
-    return settings
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    out = target.generate(**inputs, **settings)
+    return out[0, inputs["input_ids"].shape[1]:], start, time.perf_counter() - start
 
 
 def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_new_tokens: int = 96,
