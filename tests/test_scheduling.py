@@ -125,7 +125,7 @@ def test_greedy_lookahead_sees_past_a_weak_first_draft_and_cuts_back_after_a_dip
 
 
 def test_schedule_follows_the_context_length_and_the_live_verify_speed():
-    """Verify cost interpolated at the current context; a drafter time that grows relative to the (rescaled) rounds."""
+    """Verify cost interpolated at the current context; a drafter time that grows relative to the (rescaled) verify."""
     profile = DSparkVerifyProfile(
         key={"target": "synthetic"}, context_lengths=[16, 256],
         verify_time_s=[[1.0 + 0.01 * k for k in range(8)], [1.0 + 1.0 * k for k in range(8)]], spread_s=[[0.0] * 8] * 2,
@@ -141,24 +141,10 @@ def test_schedule_follows_the_context_length_and_the_live_verify_speed():
         schedule.observe_draft_time(0.5)
     assert schedule.draft_time_s == pytest.approx(0.5, rel=1e-2)
     assert drafted(schedule, [0.8] * 7) == 7
-    for _ in range(40):  # rounds now run 10× faster than profiled: the same drafter time weighs 10× more
-        schedule.observe_round_time(0, 16, 0.1)
-        schedule.observe_round_time(7, 16, 0.1 * 1.07)
+    for _ in range(40):  # verify passes now run 10× faster than profiled: the same drafter time weighs 10× more
+        schedule.observe_verify_time(0, 16, 0.1)
     assert schedule.verify_scale == pytest.approx(0.1, rel=1e-2)
-    assert schedule.drafted_premium == pytest.approx(1.0, rel=1e-2)
     assert drafted(schedule, [0.8] * 7) == 0
-
-
-def test_plain_steps_and_drafted_rounds_are_priced_from_their_own_live_costs():
-    """A drafted round costs more than its verify pass (acceptance test, speculative sampling over the vocabulary):
-    slow drafted rounds raise the price of drafting, not of a plain step; the draft time learns from drafted rounds."""
-    schedule = DSparkHardwareAwareSchedule(linear_profile(0.1), draft_time_s=0.05)
-    assert drafted(schedule, [0.5] * 7) > 0
-    for _ in range(40):
-        schedule.observe_round_time(3, 16, 1.6 * (1.0 + 0.1 * 3))  # drafted rounds run 1.6× their profiled verify
-    assert schedule.verify_scale == 1.0 and schedule.drafted_premium == pytest.approx(1.6, rel=1e-2)
-    assert drafted(schedule, [0.5] * 7) == 0
-    assert drafted(schedule, [0.95] * 7) == 7  # near-certain drafts still pay
 
 
 def test_noisy_profile_falls_back_to_the_threshold_rule():
@@ -251,21 +237,6 @@ def test_online_bias_carries_over_between_generate_calls_of_one_decoding_setting
     assert len(drafter.dspark_confidence_bias) == 2 and drafter.dspark_confidence_bias[key] < first
 
 
-def test_live_round_costs_carry_over_between_generate_calls():
-    """The scales and draft time a call measured are where the next call of the same decoding setting starts."""
-    target = make_tiny_target("llama")
-    drafter = scheduled_drafter(target, [1.0] * 6, confident=True)
-    greedy(target, PROMPTS[0], max_new_tokens=16, eos_token_id=None, assistant_model=drafter)
-    (key, costs), = drafter.dspark_round_costs.items()
-    assert key[1] == "greedy" and costs["drafted_premium"] != 1.0 and costs["draft_time_s"] > 0
-    costs["draft_time_s"] = 1e6  # as if drafting had been measured absurdly slow: the next call drafts nothing
-    expected = greedy(target, PROMPTS[1], max_new_tokens=16, eos_token_id=None)
-    assert torch.equal(greedy(target, PROMPTS[1], max_new_tokens=16, eos_token_id=None, assistant_model=drafter), expected)
-    assert sum(drafter.last_generation_stats.drafted) == 0
-    target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=8, do_sample=True, assistant_model=drafter)
-    assert sum(drafter.last_generation_stats.drafted) > 0 and len(drafter.dspark_round_costs) == 2  # its own costs
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Back-off: the drafter's own cost vanishes when drafting does not pay
 
@@ -315,11 +286,10 @@ def test_greedy_with_hardware_schedule_is_token_identical(architecture, slope):
 
 
 def test_greedy_lookahead_proposes_fewer_than_it_drafted_and_stays_token_identical(monkeypatch):
-    """An uncalibrated confidence head (c_n all over the place) under a profile shaped like this CPU's fp32 one
-    (t(3) < t(1) < t(2): a block is drafted for the cheap k = 3, then cut back when its later drafts disappoint):
-    rounds are cut back after drafting, and greedy output is still exactly plain generate's."""
+    """An uncalibrated confidence head (c_n all over the place) under a steep profile: rounds are cut back after
+    drafting, and greedy output is still exactly plain generate's."""
     target = make_tiny_target("llama")
-    drafter = scheduled_drafter(target, [1.0, 1.7, 2.1, 1.45, 1.7, 1.75], confident=False)
+    drafter = scheduled_drafter(target, [1.0, 1.05, 1.1, 2.5, 2.6, 2.7], confident=False)
     cuts, original = [], DSparkHardwareAwareSchedule.finish
 
     def finish(self, num_drafted):
@@ -328,11 +298,6 @@ def test_greedy_lookahead_proposes_fewer_than_it_drafted_and_stays_token_identic
         return kept
 
     monkeypatch.setattr(DSparkHardwareAwareSchedule, "finish", finish)
-    # price rounds by the profile, not live timings, and take the confidences as they come (no online bias)
-    monkeypatch.setattr(DSparkHardwareAwareSchedule, "smoothing", 0.0)
-    monkeypatch.setattr(DSparkHardwareAwareSchedule, "recalibration_rate", 0.0)
-    with torch.no_grad():
-        drafter.confidence_head.proj.weight.mul_(30.0)  # confidences spread from near 0 to near 1
     for prompt in PROMPTS:
         expected = greedy(target, prompt, max_new_tokens=24, eos_token_id=None)
         assert torch.equal(greedy(target, prompt, max_new_tokens=24, eos_token_id=None, assistant_model=drafter), expected)

@@ -708,8 +708,6 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         # The hardware schedule's online confidence bias per decoding setting, kept across generate calls (clear it
         # to start over, e.g. after switching to another kind of prompt).
         self.dspark_confidence_bias: dict[tuple, float] = {}
-        # ... the live round costs it measured (cost scales, draft time: a few rounds of one call cannot learn them) ...
-        self.dspark_round_costs: dict[tuple, dict[str, float]] = {}
         # ... and the acceptance counts of prompt-lookup drafts per decoding setting (`DSparkPromptLookup`).
         self.dspark_lookup_counts: dict[tuple, dict[int, list[float]]] = {}
         self.post_init()
@@ -1295,11 +1293,9 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
     the draft time (the back-off then skips the drafter), so drafting must beat plain decoding, and by `min_gain`: a
     drafted round's cost counts `min_gain` times over, so it must promise that multiple of a plain step's rate (its
     outcome is a gamble on a few probabilities, and a short generation never earns a lost round back; among drafted
-    lengths the comparison is unchanged). t(k) comes from the profile at the current context length, rescaled by what
-    whole rounds actually cost now, apart for plain steps and drafted rounds: a live round is more than the target's
-    forward (transformers' acceptance test and cache crop, speculative sampling over the vocabulary at T > 0), and a
-    shared machine drifts; the draft time is a running mean of the drafter's own time per round. On a noisy profile
-    the schedule falls back to the calibrated threshold rule (admit while a_n ≥ `fallback_threshold`).
+    lengths the comparison is unchanged). t(k) comes from the profile at the current context length, rescaled by how
+    fast verify passes actually run now (a shared machine drifts); the draft time is a running mean of the drafter's own time per round. On a noisy profile the schedule
+    falls back to the calibrated threshold rule (admit while a_n ≥ `fallback_threshold`).
 
     Greedy decoding (`lookahead`) lifts the left-to-right restriction: greedy verification commits the target's own
     argmax whatever is proposed, so any k is lossless, and the schedule drafts on while even certain later drafts
@@ -1316,10 +1312,9 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
     """
 
     fallback_threshold = 0.5
-    smoothing = 0.2  # weight of the newest observation in the running draft time and round-cost scales
+    smoothing = 0.2  # weight of the newest observation in the running draft time and verify-speed scale
     recalibration_rate = 0.1  # SGD step of the online logit bias per verified draft
     max_bias = 4.0  # |bias| bound: a run of misses can lower confidences, never pin them at 0 or 1
-    max_premium = 2.0  # bound of a drafted round's live cost over its rescaled profile time (and 1/bound below)
 
     def __init__(
         self,
@@ -1333,42 +1328,20 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         self.min_gain = min_gain
         self.lookahead = lookahead
         self.max_drafts = profile.max_drafts if max_drafts is None else min(max_drafts, profile.max_drafts)
-        # live round costs: a plain-step round (k = 0) over the profile's t(0); a drafted round, its drafting aside,
-        # over that rescaled t(k) (the premium); the drafter's time per drafted round (None until measured)
-        self.live_costs = {"verify_scale": 1.0, "drafted_premium": 1.0, "draft_time_s": draft_time_s}
+        self.draft_time_s = draft_time_s
+        self.verify_scale = 1.0
         self.context_length = profile.context_lengths[0]
         self.bias = 0.0
         self.start()
 
-    @property
-    def draft_time_s(self) -> float | None:
-        return self.live_costs["draft_time_s"]
-
-    @property
-    def verify_scale(self) -> float:
-        return self.live_costs["verify_scale"]
-
-    @property
-    def drafted_premium(self) -> float:
-        return self.live_costs["drafted_premium"]
-
     def observe_draft_time(self, seconds: float):
-        old = self.draft_time_s
-        self.live_costs["draft_time_s"] = seconds if old is None else self._smooth(old, seconds)
+        self.draft_time_s = seconds if self.draft_time_s is None else self._smooth(self.draft_time_s, seconds)
 
-    def observe_round_time(self, num_drafts: int, context_length: int, seconds: float):
-        """A finished round that verified `num_drafts` drafts took `seconds` besides drafting (verify pass and every
-        step of the loop until the next round). Plain steps track the machine's speed against the profile; drafted
-        rounds track what they cost beyond that (a premium, bounded so that a few slow rounds cannot lock drafting
-        out: no drafted round, no correction)."""
+    def observe_verify_time(self, num_drafts: int, context_length: int, seconds: float):
+        """A live verify round of k drafts: track the ratio of real to profiled time."""
         profiled = self.profile.verify_time(min(num_drafts, self.profile.max_drafts), context_length)
-        if profiled <= 0:
-            return
-        if num_drafts == 0:
-            self.live_costs["verify_scale"] = self._smooth(self.verify_scale, seconds / profiled)
-        else:
-            premium = min(max(seconds / (self.verify_scale * profiled), 1 / self.max_premium), self.max_premium)
-            self.live_costs["drafted_premium"] = self._smooth(self.drafted_premium, premium)
+        if profiled > 0:
+            self.verify_scale = self._smooth(self.verify_scale, seconds / profiled)
 
     def observe_outcome(self, num_drafted: int, num_accepted: int) -> tuple[float, int, int]:
         """After verification of this round's `num_drafted` drafts: nudge the bias toward the outcomes of the drafts
@@ -1389,10 +1362,8 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
     def round_cost(self, num_drafts: int, draft_s: float) -> float:
         """Seconds a round verifying `num_drafts` drafts is charged: its verify pass plus `draft_s`, times `min_gain`.
         k = 0 is a plain step: with the back-off the drafter then stops running too."""
-        if num_drafts == 0:
-            return self.verify_scale * self.profile.verify_time(0, self.context_length)
-        verify = self.drafted_premium * self.verify_scale * self.profile.verify_time(num_drafts, self.context_length)
-        return self.min_gain * (verify + draft_s)
+        verify = self.verify_scale * self.profile.verify_time(num_drafts, self.context_length)
+        return verify if num_drafts == 0 else self.min_gain * (verify + draft_s)
 
     def start(self):
         self._costs = [self.round_cost(k, self.draft_time_s or 0.0) for k in range(self.max_drafts + 1)]
@@ -1458,9 +1429,7 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
 class DSparkDrafterBackoff:
     """Skips the drafter after rounds that drafted nothing, for 1, 2, 4, ... up to `max_skip` rounds, each skip
     followed by one probe round; a probe that drafts resets it. When drafting does not pay, the drafter's own cost
-    then vanishes too (a k = 0 round with a drafter pass costs more than a plain step). Resetting only after a round
-    whose drafts were accepted was measured worse (fp32: chat greedy 1.68 → 1.53, code T = 1 1.19 → 1.01): the
-    rounds it rests the drafter cost more than the probes it saves."""
+    then vanishes too (a k = 0 round with a drafter pass costs more than a plain step)."""
 
     def __init__(self, max_skip: int = 16):
         self.max_skip = max_skip
@@ -1673,7 +1642,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.backoff = DSparkDrafterBackoff() if isinstance(self.schedule, DSparkHardwareAwareSchedule) else None
         self._pending_aux: list[torch.Tensor] = []
         self.bias_key = _decoding_key(target, generation_config)
-        self._resume_online_state()
+        self._resume_confidence_bias()
         self.lookup = self._make_lookup()
         self._lookup_ngram = 0  # n-gram size matched when this round's drafts came from prompt lookup, else 0
         self.do_sample = bool(generation_config.do_sample)
@@ -1684,8 +1653,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.cache = DSparkContextCache()
         self.stats = DSparkGenerationStats(num_draft_tokens=drafter.num_draft_tokens)
         drafter.last_generation_stats = self.stats
-        self._last_drafted, self._verify_started, self._prefilled = 0, None, False
-        self._timed_round: tuple[int, int] | None = None  # (drafts verified, context) of the round now running
+        self._last_drafted = 0
+        self._verify_started = None
+        self._prefilled = False
 
     def _make_schedule(self, target: PreTrainedModel, do_sample: bool) -> DSparkDraftSchedule:
         """The draft schedule the drafter's generation_config asks for: `dspark_confidence_threshold` /
@@ -1720,13 +1690,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         lookup.counts = self.drafter.dspark_lookup_counts.setdefault(self.bias_key, lookup.counts)
         return lookup
 
-    def _resume_online_state(self):
-        """The hardware schedule's online confidence bias and live round costs carry over between generate calls with
-        the same decoding settings (see `DSparkHardwareAwareSchedule`): each call starts from what the previous ones
-        learned."""
+    def _resume_confidence_bias(self):
+        """The hardware schedule's online confidence bias carries over between generate calls with the same decoding
+        settings (see `DSparkHardwareAwareSchedule`): each call starts from what the previous ones learned."""
         if isinstance(self.schedule, DSparkHardwareAwareSchedule):
             self.schedule.bias = self.drafter.dspark_confidence_bias.get(self.bias_key, 0.0)
-            self.schedule.live_costs = self.drafter.dspark_round_costs.setdefault(self.bias_key, self.schedule.live_costs)
 
     def _commit_context(self, input_ids: torch.LongTensor, model_outputs: ModelOutput | None) -> bool:
         """Append every position before the anchor that the drafter has not seen yet (aux states of the last verify).
@@ -1781,13 +1749,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
         return candidates, draft.target_logits[:, : tokens.shape[1]] if self.do_sample and self._last_drafted else None
 
     def _observe_round(self, drafter_ran: bool, first_round: bool, seconds: float):
-        """Feed the back-off and the hardware schedule's running draft time. The draft time prices drafted rounds, so
-        it learns from them only: a probe that drafts nothing skips the LM head and the Markov stage, and the first
-        round's prompt-sized context extension is no measure of a round."""
+        """Feed the back-off and the hardware schedule's running draft time (the first round's prompt-sized context
+        extension is no measure of a round)."""
         if self.backoff is None or not drafter_ran:
             return
         self.backoff.record(self._last_drafted)
-        if not first_round and self._last_drafted:
+        if not first_round:
             self.schedule.observe_draft_time(seconds)
 
     def _prefer_lookup(self, input_ids, budget: int, drafter_ran: bool, candidates, candidate_logits):
@@ -1820,7 +1787,6 @@ class DSparkCandidateGenerator(CandidateGenerator):
         **kwargs,
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         start = time.perf_counter()
-        self._observe_round_time(start)
         self._last_drafted = 0
         if is_first_iteration:
             self._verify_started = time.perf_counter()
@@ -1837,20 +1803,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
             candidates, candidate_logits = self._prefer_lookup(input_ids, budget, drafter_runs, candidates, candidate_logits)
         self.stats.draft_time_s += time.perf_counter() - start
         self._verify_started = time.perf_counter()
-        self._timed_round = (self._last_drafted, input_ids.shape[1])
         return candidates, candidate_logits
-
-    def _observe_round_time(self, now: float):
-        """The hardware schedule learns what the previous round cost from its verify pass to this call (the loop's own
-        bookkeeping included), drafting aside; the prefill is no round."""
-        if self._timed_round is not None and isinstance(self.schedule, DSparkHardwareAwareSchedule):
-            self.schedule.observe_round_time(*self._timed_round, now - self._verify_started)
-        self._timed_round = None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         self.generation_config.max_length = self.max_length  # undo a stop's round cut (see `_cut_at_stop`)
         if self._verify_started is not None:
-            self.stats.verify_time_s += time.perf_counter() - self._verify_started
+            elapsed = time.perf_counter() - self._verify_started
+            self.stats.verify_time_s += elapsed
+            if isinstance(self.schedule, DSparkHardwareAwareSchedule) and self._prefilled:
+                self.schedule.observe_verify_time(self._last_drafted, input_ids.shape[1], elapsed)
         if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
             self.stats.drafted.append(self._last_drafted)
             self.stats.accepted.append(int(num_matches))
