@@ -8,6 +8,10 @@ generation_config settings (`dspark_` prefix implied), e.g.
 
     PYTHONPATH=. python benchmarks/compare_schedules.py --dtype float32 \\
         "left-to-right=lookahead:false,lookup_ngram_size:0" "shipped="
+
+`NAME@DIR=...` loads that variant from another checkpoint directory with its own remote code
+(`trust_remote_code`), e.g. the same weights next to an older `modeling_dspark.py` (`git show REV:modeling_dspark.py`)
+to compare two versions of the generation path side by side.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import statistics
 import time
 
 import torch
+from transformers import AutoModel
 
 from dspark_hf.assets import load_smollm2
 from dspark_hf.evaluation import domain_prompts, encode_prompt, load_drafter, timed_generation
@@ -26,13 +31,22 @@ from dspark_hf.reporting import machine_description
 DOMAINS = ["chitchat", "wordnet-nouns", "stdlib-explain", "chitchat-long:test:6", "humaneval:all"]
 
 
-def parse_variant(spec: str) -> tuple[str, dict]:
+def parse_variant(spec: str) -> tuple[str, str | None, dict]:
+    """(name, checkpoint directory or None, generation_config settings) of `NAME[@DIR]=KEY:VALUE,...`."""
     name, _, settings = spec.partition("=")
+    name, _, directory = name.partition("@")
     parsed = {}
     for item in filter(None, settings.split(",")):
         key, _, value = item.partition(":")
         parsed[f"dspark_{key}"] = json.loads(value)
-    return name, parsed
+    return name, directory or None, parsed
+
+
+def load_variant(directory: str, target):
+    """A drafter with the remote code of its own directory, bound to the target."""
+    drafter = AutoModel.from_pretrained(directory, trust_remote_code=True, dtype=torch.bfloat16).eval()
+    drafter.bind_target(target)
+    return drafter
 
 
 def run_cell(target, encoded, drafters: dict, do_sample: bool, repetitions: int, max_new_tokens: int) -> dict:
@@ -77,8 +91,8 @@ def main():
     target, tokenizer = load_smollm2(dtype=args.dtype)
     drafters = {}
     for spec in args.variants:
-        name, settings = parse_variant(spec)
-        drafter = load_drafter(args.model, target, torch.bfloat16)
+        name, directory, settings = parse_variant(spec)
+        drafter = load_variant(directory, target) if directory else load_drafter(args.model, target, torch.bfloat16)
         for key, value in settings.items():
             setattr(drafter.generation_config, key, value)
         drafters[name] = drafter

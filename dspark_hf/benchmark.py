@@ -9,6 +9,9 @@ it dilutes whole-call ratios by prompt length, and at T = 1, where each method s
 it weighs differently per method; the decode ratio is the speed-up of what speculative decoding changes. Methods:
 
 - `plain`: `target.generate` alone.
+- `plain-reseeded` (on request): `plain` again, sampling from other seeds: the noise floor of a cell, how far the
+  ratio moves when nothing changes but the machine's jitter (greedy) and, at T = 1, the sampled answers (their
+  lengths and contexts; with a few prompts that alone moves a T = 1 cell by several per cent).
 - `assisted-lm`: transformers' assisted generation with a small same-tokenizer LM, a truncated-depth copy of the
   target (its first `--assistant-layers` decoder layers + final norm + LM head, no training), with transformers'
   default assistant settings (`num_assistant_tokens` 20, heuristic schedule).
@@ -41,7 +44,8 @@ from .evaluation import (domain_prompts, drafter_name, encode_prompt, live_accep
                          plot_domain_acceptance, timed_generate, timed_generation)
 from .reporting import emit_report, machine_description, set_threads
 
-ALL_METHODS = ["plain", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark", "dspark-conf"]
+ALL_METHODS = ["plain", "plain-reseeded", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark", "dspark-conf"]
+RESEEDED_SEED_OFFSET = 500_000  # plain-reseeded samples with seeds no other method uses
 DEFAULT_METHODS = ["plain", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark"]
 
 
@@ -93,7 +97,7 @@ def drafter_overhead(target, drafter, inputs: dict[str, torch.Tensor], repeats: 
 
 
 def _method_kwargs(method: str, models: dict[str, Any], args) -> dict[str, Any]:
-    if method == "plain":
+    if method in ("plain", "plain-reseeded"):
         return {}
     if method == "assisted-lm":
         return {"assistant_model": models["assistant"]}
@@ -129,6 +133,12 @@ def fixed_length(drafter):
     return drafter
 
 
+def _length(args) -> dict[str, int]:
+    """`--fixed-length`: every answer runs to max_new_tokens (EOS ignored), so at T = 1 each method decodes the same
+    number of tokens at the same context lengths instead of answers of the lengths its own samples happened to take."""
+    return {"min_new_tokens": args.max_new_tokens} if args.fixed_length else {}
+
+
 def run_methods(target, encoded, methods, models, args, do_sample: bool) -> dict[str, dict[str, Any]]:
     """Every method on every prompt, repetitions interleaved (rep → prompt → method, order rotated each rep)."""
     for m in methods:  # warm-up: one short call each
@@ -139,7 +149,8 @@ def run_methods(target, encoded, methods, models, args, do_sample: bool) -> dict
         order = methods[rep % len(methods):] + methods[: rep % len(methods)]
         for i, inputs in enumerate(encoded):
             for m in order:
-                timed = timed_generation(target, inputs, args.max_new_tokens, do_sample, 1000 * rep + i,
+                seed = 1000 * rep + i + (RESEEDED_SEED_OFFSET if m == "plain-reseeded" else 0)
+                timed = timed_generation(target, inputs, args.max_new_tokens, do_sample, seed, **_length(args),
                                          **_method_kwargs(m, models, args))
                 for c, value in zip(counters, (timed.tokens.numel(), timed.seconds, timed.decode_tokens, timed.decode_seconds)):
                     runs[m][c][rep] += value
@@ -180,7 +191,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     methods, models = load_methods(args, target, getattr(torch, args.drafter_dtype))
     report: dict[str, Any] = {
         "machine": machine_description(), "dtype": args.dtype, "drafter_dtype": args.drafter_dtype, "split": args.split,
-        "max_new_tokens": args.max_new_tokens,
+        "max_new_tokens": args.max_new_tokens, "fixed_length": args.fixed_length,
         "repetitions": args.repetitions, "drafter": drafter_name(args.model),
         "assistant": f"{target.name_or_path} truncated to its first {args.assistant_layers} of {target.config.num_hidden_layers} "
                      "layers + final norm + LM head (untrained), transformers' default assistant settings",
@@ -213,7 +224,8 @@ def _long_context(tokenizer, encoded, length: int) -> dict[str, torch.Tensor]:
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"machine: {report['machine']}", f"drafter: {report['drafter']}",
              f"dtype: {report['dtype']} (drafters: {report.get('drafter_dtype', report['dtype'])})   "
-             f"max_new_tokens: {report['max_new_tokens']}   repetitions: {report['repetitions']} (interleaved, median)",
+             f"max_new_tokens: {report['max_new_tokens']}{' (fixed length, EOS ignored)' if report.get('fixed_length') else ''}"
+             f"   repetitions: {report['repetitions']} (interleaved, median)",
              f"assisted-lm = {report['assistant']}",
              f"prompt-lookup: prompt_lookup_num_tokens={report['prompt_lookup_num_tokens']}; "
              f"dspark-conf: confidence threshold {report['confidence_threshold']}"]
@@ -283,6 +295,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--fixed-length", action="store_true",
+                        help="every answer runs to --max-new-tokens (EOS ignored): at T = 1 methods then decode the "
+                        "same number of tokens at the same context lengths (answers of the lengths each method's own "
+                        "samples took move a few-prompt cell by several per cent)")
     parser.add_argument("--assistant-layers", type=int, default=4, help="depth of the truncated small-LM assistant")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10)
     parser.add_argument("--confidence-threshold", type=float, default=0.1, help="survival threshold of dspark-conf")

@@ -175,18 +175,22 @@ def test_eval_and_bench_commands_run_on_a_tiny_model(tiny, tmp_path, capsys):
     domain = report["domains"][str(tmp_path / "prompts.jsonl")]
     live = domain["modes"]["greedy"]["dspark"]
     assert report["drafter_dtype"] == "bfloat16" and live["identical_to_plain"] == 1  # bf16 drafter, fp32 target
+    assert domain["modes"]["greedy"]["plain-reseeded"]["identical_to_plain"] == 1  # the noise floor: same text, new timing
     assert len(live["acceptance_conditional_rounds"]) == drafter.num_draft_tokens
     assert live["acceptance_cumulative_rounds"][0] == live["rounds"] - live["drafts_per_round_histogram"][0]
     assert (tmp_path / "bench-plots" / "acceptance.png").stat().st_size > 0
     assert "decode ×" in out and live["decode_speedup_vs_plain"] > 0 and live["decode_tokens_per_s"] > 0
 
-    # `make drafter`'s sizing bench: fixed blocks against plain only; the drafter's round cost is still measured.
+    # `make drafter`'s sizing bench (fixed blocks against plain only; the drafter's round cost is still measured), here
+    # with fixed-length answers.
     args = parser.parse_args(["--model", str(tmp_path / "dspark"), "--target", str(tmp_path / "target"), "--prompts",
                               str(tmp_path / "prompts.jsonl"), "--split", "all", "--num-prompts", "1", "--max-new-tokens",
                               "6", "--repetitions", "1", "--dtype", "float32", "--methods", "plain", "dspark-fixed",
-                              "--json", str(tmp_path / "sizing-bench.json")])
+                              "--fixed-length", "--json", str(tmp_path / "sizing-bench.json")])
     assert benchmark.run(args) == 0
+    assert "max_new_tokens: 6 (fixed length, EOS ignored)" in capsys.readouterr().out
     sizing_bench = json.loads((tmp_path / "sizing-bench.json").read_text())
+    assert sizing_bench["fixed_length"] is True
     assert sizing_bench["dspark_overhead"]["draft_round_ms"] > 0
     _check_sizing_picks_the_fastest(tmp_path, sizing_bench)
 
