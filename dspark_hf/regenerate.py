@@ -3,10 +3,11 @@
 A drafter is judged by how often the target accepts its guesses, so it should learn the target's own answers, not a
 human's or another model's (this matters more for τ than anything else). We keep the user (and system) turns, and
 turn by turn let the target answer with its chat template and the given sampling settings, with plain transformers
-`generate`: batched with left padding for short chats, one conversation at a time with its KV cache kept across turns
-for long multi-turn data. The history sent to the target is bounded by a token budget (oldest turns dropped first).
-At scale the turns go to a serving engine instead (`--server URL`: vLLM, SGLang, TGI; `serving.ChatServer`), which
-applies the chat template and batches the concurrent conversations itself.
+`generate`: batched with left padding for short chats (a few tokens at a time, so a finished reply leaves the batch),
+one conversation at a time with its KV cache kept across turns for long multi-turn data. The history sent to the
+target is bounded by a token budget (oldest turns dropped first). At scale the turns go to a serving engine instead
+(`--server URL`: vLLM, SGLang, TGI; `serving.ChatServer`), which applies the chat template and batches the concurrent
+conversations itself.
 
 Resumable: each finished conversation is appended to the output JSONL as one whole line (one `write` + fsync); on
 restart the ids already written are skipped, and a partial last line left by a kill is cut off, never counted.
@@ -29,6 +30,7 @@ from tqdm.auto import tqdm
 from .target_weights import input_device
 
 DEFAULT_MAX_BATCH_TOKENS = 8192  # padded prompt tokens per generate call (rows x longest prompt)
+DEFAULT_CHUNK_TOKENS = 16  # new tokens per generate call of a batch, after which finished rows leave it
 
 
 def _read_done(path: Path) -> set[str]:
@@ -148,10 +150,10 @@ def _sampling(max_new_tokens: int, temperature: float, top_p: float, pad_token_i
     return {"max_new_tokens": max_new_tokens, "pad_token_id": pad_token_id, "top_k": None, **sampling}
 
 
-def _reply_lengths(new_tokens: torch.Tensor, stop_ids: set[int]) -> list[int]:
+def _reply_lengths(new_tokens: torch.Tensor | list[list[int]], stop_ids: set[int]) -> list[int]:
     """Tokens each row generated, through the first stop token (later columns are padding)."""
     lengths = []
-    for row in new_tokens.tolist():
+    for row in new_tokens.tolist() if isinstance(new_tokens, torch.Tensor) else new_tokens:
         lengths.append(next((i + 1 for i, token in enumerate(row) if token in stop_ids), len(row)))
     return lengths
 
@@ -187,14 +189,47 @@ def generate_batches(model, tokenizer, prompts: list[list[int]], settings: dict,
 
 
 @torch.inference_mode()
-def generate_batch(model, tokenizer, prompts: list[list[int]], settings: dict) -> tuple[list[str], list[int]]:
-    """One reply per prompt (token ids), batched with left padding; (texts, tokens generated per row)."""
+def generate_batch(model, tokenizer, prompts: list[list[int]], settings: dict,
+                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[list[str], list[int]]:
+    """One reply per prompt (token ids), batched with left padding; (texts, tokens generated per row).
+
+    Generated `chunk_tokens` at a time: after each chunk the rows that have finished leave the batch, their KV cache
+    rows dropped, and the rest go on from their own cache. In one `generate` call a finished row rides along until the
+    longest reply ends, and chat replies average about half of `max_new_tokens`. Each row's tokens are those of one
+    call (greedy: identical; sampling: the same distribution, other draws).
+    """
+    from transformers import DynamicCache
+
     batch = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt")  # rows end together
-    batch = batch.to(input_device(model))
-    generated = model.generate(**batch, **settings)  # [b, T_prompt + new]
-    new_tokens = generated[:, batch["input_ids"].shape[1] :]
-    texts = [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
-    return texts, _reply_lengths(new_tokens, _stop_ids(model, tokenizer))
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    stop_ids = _stop_ids(model, tokenizer)
+    cache, rows, replies = DynamicCache(config=model.config), torch.arange(len(prompts)), [[] for _ in prompts]
+    left, device = settings["max_new_tokens"], input_device(model)
+    while left > 0:
+        step = min(chunk_tokens, left)
+        generated = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), cache=cache,
+                                   **{**settings, "max_new_tokens": step}).cpu()
+        new_tokens = generated[:, input_ids.shape[1] :]
+        for row, tokens in zip(rows.tolist(), new_tokens.tolist()):
+            replies[row] += tokens
+        left -= step
+        going = _unfinished_rows(new_tokens, stop_ids, step)
+        if left <= 0 or going.numel() == 0:
+            break
+        if going.numel() < rows.numel():
+            cache.batch_select_indices(going)  # CPU indices index the cache rows on any device
+        rows, input_ids = rows[going], generated[going]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(new_tokens.shape)], dim=1)[going]
+    lengths = _reply_lengths(replies, stop_ids)
+    texts = tokenizer.batch_decode([reply[:n] for reply, n in zip(replies, lengths)], skip_special_tokens=True)
+    return [text.strip() for text in texts], lengths
+
+
+def _unfinished_rows(new_tokens: torch.Tensor, stop_ids: set[int], step: int) -> torch.Tensor:
+    """Indices of the rows that wrote `step` tokens none of which ends the reply."""
+    if new_tokens.shape[1] < step:  # generate stops early only when every row has finished
+        return torch.arange(0)
+    return (~torch.isin(new_tokens, torch.tensor(sorted(stop_ids)))).all(dim=1).nonzero().flatten()
 
 
 @torch.inference_mode()

@@ -16,12 +16,14 @@
 # Intermediate files go to $WORK (default build/smollm2-drafter). Every stage is skipped when its output exists,
 # regenerate/cache/train resume where an interrupted run stopped (training checkpoints every 100 steps; set
 # MAX_STEPS_PER_RUN to time-box a run), so rerunning the script continues the work.
-# Sized for 2 CPU cores: regeneration (~100-200 new tokens/s per core; batches of 48 conversations, split by prompt
-# length at 8,192 padded tokens) of SIZE=80 (7,632 conversations, 913k assistant tokens) takes about 4 hours of both
-# cores (SIZE=37, 457k tokens: 2 hours); the other stages about 2.5 hours at STEPS=3000 + CONTINUE_STEPS=2000
-# (training ~1.2-1.5 s/step, the two drafters side by side). The shipped drafter continued the 457k-token drafter's
-# weights for one cycle on the SIZE=80 data (its model card lists every cycle). THREADS per job, STEPS and SIZE
-# (percent of each domain's prompts) trade quality for time; BENCH_PROMPTS / BENCH_REPS size the final benchmark.
+# Sized for 2 CPU cores, about 4.8 hours from scratch: regeneration (40-230 new tokens/s per core; batches of 48
+# conversations, split by prompt length at 8,192 padded tokens, finished replies leaving the batch every 16 tokens) of
+# SIZE=80 (7,632 conversations, 913k assistant tokens) about 1.4 hours of both cores (a timed SIZE=6 pass: 68k tokens
+# in 383 s); cache 26 min; sizing ~35 min; training 1.47 s/step with the two drafters side by side, 2 hours at
+# STEPS=3000 + CONTINUE_STEPS=2000; calibration, eval and bench ~20 min. The shipped drafter continued the
+# 457k-token drafter's weights for one cycle on the SIZE=80 data (its model card lists every cycle). THREADS per job,
+# STEPS and SIZE (percent of each domain's prompts) trade quality for time; BENCH_PROMPTS / BENCH_REPS size the final
+# benchmark.
 # Growing SIZE later changes the training data: delete $WORK/cache-train, size-*, train-*, continue-*, sizing.json,
 # dspark-calibrated, eval-dflash.json and the outputs first (the regenerated JSONL is kept and extended).
 # A smoke run of the whole pipeline: WORK=/tmp/d OUT_DSPARK=/tmp/d/dspark OUT_DFLASH=/tmp/d/dflash SIZE=1 VALIDATION=2
@@ -55,30 +57,31 @@ regen() {  # corpus split limit max-turns temperature max-new-tokens
     --max-turns "$4" --temperature "$5" --max-new-tokens "$6" --seed 0 --output "$out"
 }
 # Each domain is filled in passes (a quarter, a half, then all of its share), so a run stopped at any point leaves
-# balanced data; a rerun skips the conversations already written. The greedy and the sampled corpora regenerate side
-# by side, one core each (logs in $WORK/regen-*.log).
+# balanced data; a rerun skips the conversations already written. Two jobs side by side, one core each (logs in
+# $WORK/regen-*.log), split by measured time: at SIZE=6 the six-turn chats take 186 s (42 tokens/s: long prompts
+# re-encoded each turn, so small length groups), the code explanations 84 s, the other five corpora 55-91 s each.
 share() { echo $(( ($1 * SIZE / 100 + $2 - 1) / $2 )); }  # $1 prompts at SIZE percent, pass 1/$2
-regen_greedy() {
+regen_long_and_code() {
   for pass in 4 2 1; do
-    regen chitchat train "$(share 1200 $pass)" 2 0 128
-    regen wordnet-nouns train "$(share 2400 $pass)" 1 0 128
+    regen chitchat-long train "$(share 240 $pass)" 6 0.8 128
     regen stdlib-explain train "$(share 1000 $pass)" 1 0 160
   done
 }
-regen_sampled() {
+regen_short() {
   for pass in 4 2 1; do
+    regen chitchat train "$(share 1200 $pass)" 2 0 128
+    regen wordnet-nouns train "$(share 2400 $pass)" 1 0 128
     regen chatterbot train "$(share 1900 $pass)" 1 0.8 128
     regen wordnet-verbs train "$(share 2000 $pass)" 1 0.8 128
     regen stdlib-write train "$(share 800 $pass)" 1 0.8 160
-    regen chitchat-long train "$(share 240 $pass)" 6 0.8 128
   done
 }
-regen_greedy > "$WORK/regen-greedy.log" 2>&1 &
-greedy_job=$!
-regen_sampled > "$WORK/regen-sampled.log" 2>&1 &
-sampled_job=$!
-wait "$greedy_job"  # set -e: a failed regeneration stops the script here
-wait "$sampled_job"
+regen_long_and_code > "$WORK/regen-long-and-code.log" 2>&1 &
+long_job=$!
+regen_short > "$WORK/regen-short.log" 2>&1 &
+short_job=$!
+wait "$long_job"  # set -e: a failed regeneration stops the script here
+wait "$short_job"
 for corpus in chitchat wordnet-nouns stdlib-explain chatterbot wordnet-verbs stdlib-write chitchat-long; do
   turns=1; [ "$corpus" = chitchat ] && turns=2; [ "$corpus" = chitchat-long ] && turns=6
   regen "$corpus" validation "$VALIDATION" "$turns" 0 128

@@ -18,7 +18,7 @@ from dspark_hf.data import (
     tokenize_conversations,
     write_jsonl,
 )
-from dspark_hf.regenerate import length_groups, regenerate_conversations
+from dspark_hf.regenerate import _sampling, generate_batch, length_groups, regenerate_conversations
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -233,6 +233,27 @@ def test_regenerate_split_by_length_writes_what_one_batch_writes(tiny, tokenizer
     assert (whole, split) == (4, 4)
     assert recorder.prompts == [36, 60, 60]  # the two short prompts (36 tokens) together, the long ones one by one
     assert read_jsonl(tmp_path / "whole.jsonl") == read_jsonl(tmp_path / "split.jsonl")
+
+
+def test_finished_replies_leave_the_batch_and_the_rest_write_what_one_call_writes(smollm2, monkeypatch):
+    """SmolLM2 (fp32, greedy): short and long answers in one batch, 6 tokens at a time. Rows leave the batch as their
+    replies end, and every reply is the one a single generate call over the whole batch writes."""
+    model, tokenizer = smollm2
+    questions = ["Say only: yes.", "Say only: no.", "Name one colour, one word.", "Explain in detail how a bicycle works."]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"] for q in questions]
+    settings = _sampling(30, 0.0, 1.0, tokenizer.pad_token_id)
+    whole = generate_batch(model, tokenizer, prompts, settings, chunk_tokens=30)
+    recorder = _PromptRecorder(model, monkeypatch)
+    rows = []
+    original = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kwargs: rows.append(kwargs["input_ids"].shape[0]) or original(**kwargs))
+    chunked = generate_batch(model, tokenizer, prompts, settings, chunk_tokens=6)
+    assert chunked == whole
+    lengths = whole[1]
+    assert min(lengths) < 6 and max(lengths) == 30  # some answers end in the first chunk, some run to the limit ...
+    assert rows == [sum(n > 6 * chunk for n in lengths) for chunk in range(5)]  # ... and each call kept the rest only
+    assert rows[-1] < rows[0] and recorder.prompts[0] < recorder.prompts[-1]
 
 
 def test_regenerate_refuses_a_budget_without_room_for_the_reply(tiny, tokenizer, tmp_path):
