@@ -150,10 +150,10 @@ def _sampling(max_new_tokens: int, temperature: float, top_p: float, pad_token_i
     return {"max_new_tokens": max_new_tokens, "pad_token_id": pad_token_id, "top_k": None, **sampling}
 
 
-def _reply_lengths(new_tokens: torch.Tensor | list[list[int]], stop_ids: set[int]) -> list[int]:
+def _reply_lengths(new_tokens: list[list[int]], stop_ids: set[int]) -> list[int]:
     """Tokens each row generated, through the first stop token (later columns are padding)."""
     lengths = []
-    for row in new_tokens.tolist() if isinstance(new_tokens, torch.Tensor) else new_tokens:
+    for row in new_tokens:
         lengths.append(next((i + 1 for i, token in enumerate(row) if token in stop_ids), len(row)))
     return lengths
 
@@ -196,7 +196,8 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], settings: dict,
     Generated `chunk_tokens` at a time: after each chunk the rows that have finished leave the batch, their KV cache
     rows dropped, and the rest go on from their own cache. In one `generate` call a finished row rides along until the
     longest reply ends, and chat replies average about half of `max_new_tokens`. Each row's tokens are those of one
-    call (greedy: identical; sampling: the same distribution, other draws).
+    call (greedy: identical; sampling: the same distribution, other draws). A target with recurrent layers (linear
+    attention) keeps state that cannot drop rows, so it generates in one call.
     """
     from transformers import DynamicCache
 
@@ -205,6 +206,8 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], settings: dict,
     stop_ids = _stop_ids(model, tokenizer)
     cache, rows, replies = DynamicCache(config=model.config), torch.arange(len(prompts)), [[] for _ in prompts]
     left, device = settings["max_new_tokens"], input_device(model)
+    if not _rows_can_leave(cache):
+        chunk_tokens = left
     while left > 0:
         step = min(chunk_tokens, left)
         generated = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), cache=cache,
@@ -223,6 +226,13 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], settings: dict,
     lengths = _reply_lengths(replies, stop_ids)
     texts = tokenizer.batch_decode([reply[:n] for reply, n in zip(replies, lengths)], skip_special_tokens=True)
     return [text.strip() for text in texts], lengths
+
+
+def _rows_can_leave(cache) -> bool:
+    """Whether every layer of `cache` holds only keys and values per row (attention), which rows can be dropped from."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
 
 
 def _unfinished_rows(new_tokens: torch.Tensor, stop_ids: set[int], step: int) -> torch.Tensor:
@@ -253,7 +263,7 @@ def generate_with_prefix_cache(model, tokenizer, dialogue: Dialogue, prompt: lis
     dialogue.cached_ids = generated[0, : dialogue.cache.get_seq_length()].tolist()
     new_tokens = generated[:, len(prompt) :]
     text = tokenizer.decode(new_tokens[0], skip_special_tokens=True).strip()
-    return text, _reply_lengths(new_tokens, _stop_ids(model, tokenizer))[0]
+    return text, _reply_lengths(new_tokens.tolist(), _stop_ids(model, tokenizer))[0]
 
 
 def context_length(model) -> int | None:

@@ -18,7 +18,7 @@ from dspark_hf.data import (
     tokenize_conversations,
     write_jsonl,
 )
-from dspark_hf.regenerate import _sampling, generate_batch, length_groups, regenerate_conversations
+from dspark_hf.regenerate import _rows_can_leave, _sampling, generate_batch, length_groups, regenerate_conversations
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -244,7 +244,6 @@ def test_finished_replies_leave_the_batch_and_the_rest_write_what_one_call_write
                                              return_dict=True)["input_ids"] for q in questions]
     settings = _sampling(30, 0.0, 1.0, tokenizer.pad_token_id)
     whole = generate_batch(model, tokenizer, prompts, settings, chunk_tokens=30)
-    recorder = _PromptRecorder(model, monkeypatch)
     rows = []
     original = model.generate
     monkeypatch.setattr(model, "generate", lambda **kwargs: rows.append(kwargs["input_ids"].shape[0]) or original(**kwargs))
@@ -253,7 +252,16 @@ def test_finished_replies_leave_the_batch_and_the_rest_write_what_one_call_write
     lengths = whole[1]
     assert min(lengths) < 6 and max(lengths) == 30  # some answers end in the first chunk, some run to the limit ...
     assert rows == [sum(n > 6 * chunk for n in lengths) for chunk in range(5)]  # ... and each call kept the rest only
-    assert rows[-1] < rows[0] and recorder.prompts[0] < recorder.prompts[-1]
+    assert rows[-1] < rows[0]
+
+
+def test_only_attention_caches_let_finished_rows_leave(smollm2):
+    """Linear-attention layers (Qwen3-Next) carry a recurrent state that dropping key/value rows would not cut: such a
+    target generates each batch in one call."""
+    from transformers import DynamicCache, Qwen3NextConfig
+
+    assert _rows_can_leave(DynamicCache(config=smollm2[0].config))
+    assert not _rows_can_leave(DynamicCache(config=Qwen3NextConfig(num_hidden_layers=4)))
 
 
 def test_regenerate_refuses_a_budget_without_room_for_the_reply(tiny, tokenizer, tmp_path):
