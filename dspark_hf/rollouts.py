@@ -16,7 +16,7 @@ import torch
 
 from .cache import IndexedCache, collate_samples
 from .training.anchors import sample_batch_anchors, slot_mask
-from .training.losses import target_probabilities, total_variation
+from .training.losses import slot_terms, target_probabilities
 
 
 @dataclass
@@ -54,8 +54,8 @@ def _block_acceptance(model, batch: dict[str, torch.Tensor], max_anchors: int, s
                                                 max_anchors, seed, epoch=-1)  # (b, J) each
     out = model(aux_hidden_states=batch["aux_hidden_states"], input_ids=batch["input_ids"],
                 anchor_positions=anchors, attention_mask=batch["attention_mask"])
-    p = target_probabilities(batch["final_hidden_state"], out.label_positions, model.lm_head.weight)  # (b, J, N, V_d)
-    tv = total_variation(torch.softmax(out.logits.float(), -1), p)  # (b, J, N)
+    target = target_probabilities(batch["final_hidden_state"], out.label_positions, model.lm_head.weight)
+    tv = slot_terms(out.logits, target)[0]  # (b, J, N)
     keep = anchor_mask.bool()
     accept = (1.0 - tv).clamp(0, 1)[keep].cpu()
     mask = slot_mask(batch["loss_mask"], anchors, anchor_mask, N)[keep].cpu()

@@ -17,6 +17,7 @@ from dspark_hf.metrics import (
     roc_auc,
     tau,
 )
+from dspark_hf.training import losses
 from dspark_hf.training.anchors import sample_batch_anchors, slot_mask, valid_anchor_mask
 from dspark_hf.training.losses import (
     BlockStatistics,
@@ -73,7 +74,10 @@ def _reference_loss(logits, conf_logits, final_hidden, head, input_ids, anchors,
     return ce, tv, bce, cfg.alpha_ce * ce + cfg.alpha_tv * tv + cfg.alpha_conf * bce
 
 
-def test_loss_matches_slow_reference_on_random_tensors():
+@pytest.mark.parametrize("chunk", [256, 3])
+def test_loss_matches_slow_reference_on_random_tensors(chunk, monkeypatch):
+    """Also with the slots cut into chunks of 3 (CPU computes the loss chunk by chunk): the same values and gradients."""
+    monkeypatch.setattr(losses, "CPU_CHUNK_SLOTS", chunk)
     torch.manual_seed(0)
     b, T, d, V_t, N, J = 2, 24, 8, 30, 4, 5
     t2d = torch.zeros(V_t, dtype=torch.bool)
@@ -102,6 +106,15 @@ def test_loss_matches_slow_reference_on_random_tensors():
     assert result.loss.item() == pytest.approx(total, rel=1e-5)
     result.loss.backward()  # the soft label is detached: BCE sends no gradient into the draft logits
     assert torch.isfinite(logits.grad).all()
+    direct = logits.detach().clone().requires_grad_()  # the loss on dense tensors, no chunks, no shared positions
+    log_q = torch.log_softmax(direct, -1)
+    tv = 1 - torch.minimum(log_q.exp(), probs.dense()).sum(-1)
+    ce = -log_q.gather(-1, labels[..., None]).squeeze(-1)
+    w = position_weights(N, cfg.gamma)
+    ce_w, tv_w = w * (mask & in_vocab), w * mask
+    (cfg.alpha_ce * (ce * ce_w).sum() / ce_w.sum() + cfg.alpha_tv * (tv * tv_w).sum() / tv_w.sum()).backward()
+    torch.testing.assert_close(logits.grad, direct.grad, rtol=1e-5, atol=1e-7)
+    assert probs.probs.shape[0] < mask.numel()  # overlapping blocks: each shared position computed once
 
 
 def test_anchor_rules_and_sampling():
@@ -185,6 +198,6 @@ def test_training_slots_line_up_with_draft_block(sample_from_anchor):
     rows = drafter.draft_to_target_ids
     for n in range(1, N + 1):
         verify_logits = target_out.logits[0, p + n - 1, rows]  # the target's prediction for position p+n
-        torch.testing.assert_close(probs[0, 0, n - 1], torch.softmax(verify_logits, -1), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(probs.dense()[0, 0, n - 1], torch.softmax(verify_logits, -1), rtol=1e-4, atol=1e-5)
     labels, in_vocab = draft_labels(input_ids, out.label_positions, drafter.t2d)
     assert torch.equal(rows[labels[0, 0]][in_vocab[0, 0]], input_ids[0, p + 1 : p + 1 + N][in_vocab[0, 0]])

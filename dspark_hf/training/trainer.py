@@ -151,10 +151,10 @@ def compute_batch_loss(model, batch, head_weight, t2d, loss_config, num_drafts, 
         anchor_positions=anchors,
         attention_mask=batch["attention_mask"],
     )
-    target_probs = target_probabilities(batch["final_hidden_state"], outputs.label_positions, head_weight)  # (b, J, N, V_d)
+    target = target_probabilities(batch["final_hidden_state"], outputs.label_positions, head_weight)
     labels, in_vocab = draft_labels(batch["input_ids"], outputs.label_positions, t2d)
     mask = slot_mask(batch["loss_mask"], anchors, anchor_mask, num_drafts)  # (b, J, N)
-    result = dspark_loss(outputs.logits, outputs.confidence_logits, target_probs, labels, in_vocab, mask, loss_config)
+    result = dspark_loss(outputs.logits, outputs.confidence_logits, target, labels, in_vocab, mask, loss_config)
     return result, anchor_mask
 
 
