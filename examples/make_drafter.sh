@@ -16,10 +16,10 @@
 # Intermediate files go to $WORK (default build/smollm2-drafter). Every stage is skipped when its output exists,
 # regenerate/cache/train resume where an interrupted run stopped (training checkpoints every 100 steps; set
 # MAX_STEPS_PER_RUN to time-box a run), so rerunning the script continues the work.
-# Sized for 2 CPU cores, about 4.8 hours from scratch: regeneration (40-230 new tokens/s per core; batches of 48
+# Sized for 2 CPU cores, about 3.9 hours from scratch: regeneration (40-230 new tokens/s per core; batches of 48
 # conversations, split by prompt length at 8,192 padded tokens, finished replies leaving the batch every 16 tokens) of
 # SIZE=80 (7,632 conversations, 913k assistant tokens) about 1.4 hours of both cores (a timed SIZE=6 pass: 68k tokens
-# in 383 s); cache 26 min; sizing ~35 min; training 1.47 s/step with the two drafters side by side, 2 hours at
+# in 383 s); cache 26 min; sizing ~25 min; training 0.9 s/step with the two drafters side by side, 1.25 hours at
 # STEPS=3000 + CONTINUE_STEPS=2000; calibration, eval and bench ~20 min. The shipped drafter continued the
 # 457k-token drafter's weights for one cycle on the SIZE=80 data (its model card lists every cycle). THREADS per job,
 # STEPS and SIZE (percent of each domain's prompts) trade quality for time; BENCH_PROMPTS / BENCH_REPS size the final

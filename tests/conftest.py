@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
+import subprocess
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,6 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # test process, so tests never read or leave one in the user's cache.
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="dspark-hf-test-home-")
 
+import psutil
 import pytest
 import torch
 from transformers import (
@@ -111,3 +116,37 @@ def smollm2():
     from dspark_hf.assets import load_smollm2
 
     return load_smollm2(dtype="float32")
+
+
+# ------------------------------------------------------------------------------------------------ accelerate launch
+def free_port() -> int:
+    """A loopback port nobody listens on now: each launch gets its own rendezvous, never one a previous run left."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it: torch's launcher starts each rank in its own session, so a
+    process-group kill would leave the ranks running."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        launcher = psutil.Process(pid)
+        victims = [*launcher.children(recursive=True), launcher]
+        for victim in victims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                victim.send_signal(signal.SIGKILL)
+        psutil.wait_procs(victims, timeout=60)
+
+
+def run_launch(command: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run an `accelerate launch` command to completion; past `timeout` every rank is killed and the test fails with
+    the output so far, instead of a hung rank outliving the test."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_process_tree(process.pid)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"`accelerate launch` did not finish in {timeout:.0f} s; every rank was killed. stdout tail:\n"
+                    f"{stdout[-2000:]}\nstderr tail:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

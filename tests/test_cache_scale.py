@@ -7,21 +7,17 @@ refuse a manifest with a process's shards missing or processes that disagree on 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import free_port, kill_process_tree, make_tiny_target, run_launch
 from test_training import tiny_args, tiny_world
 from transformers import LlamaForCausalLM
 
@@ -153,12 +149,6 @@ def test_processes_that_disagree_are_refused():
 
 
 # -------------------------------------------------------------------------------------------- accelerate launch
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def launch_world(tiny, tokenizer, tmp_path_factory):
     """A saved tiny target, a 64-conversation dataset and its one-process cache (16 shards of 4)."""
@@ -180,7 +170,7 @@ def _launch(world: Path, output: Path, script: list[str] | None = None) -> tuple
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(_free_port()), *(script or ["-m", "dspark_hf.cli"]), "cache",
+               "--main_process_port", str(free_port()), *(script or ["-m", "dspark_hf.cli"]), "cache",
                "--target", str(world / "target"), "--dataset", str(world / "data.jsonl"), "--output", str(output),
                "--aux-layers", "1,2,3", "--split", "all", "--shard-size", "4", "--batch-size", "2",
                "--target-dtype", "float32"]
@@ -194,7 +184,7 @@ def _files(directory: Path) -> dict[str, bytes]:
 @pytest.mark.slow
 def test_two_processes_write_the_one_process_cache(launch_world, tmp_path):
     command, env = _launch(launch_world, tmp_path / "two")
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = run_launch(command, env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "process 0 of 2 captures 8 shards" in done.stdout and "process 1 of 2 captures 8 shards" in done.stdout
     assert _files(tmp_path / "two") == _files(launch_world / "reference")  # same shards, same manifest
@@ -215,13 +205,7 @@ def test_two_process_run_killed_mid_way_resumes(launch_world, tmp_path):
         while len(list(output.glob("shard-*.safetensors"))) < 3 and process.poll() is None and time.time() < deadline:
             time.sleep(0.02)
     finally:
-        # kill -9 the whole launch mid-way: both workers (torch's launcher starts them in their own sessions) first
-        launcher = psutil.Process(process.pid)
-        victims = [*launcher.children(recursive=True), launcher]
-        for victim in victims:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                victim.send_signal(signal.SIGKILL)
-        psutil.wait_procs(victims, timeout=60)
+        kill_process_tree(process.pid)  # kill -9 the whole launch mid-way, both workers included
         process.wait(timeout=60)
     finished = {p.name: p.stat() for p in output.glob("shard-*.safetensors")}
     assert 3 <= len(finished) < 16, "the run finished before it could be killed; make the dataset larger"
@@ -229,7 +213,7 @@ def test_two_process_run_killed_mid_way_resumes(launch_world, tmp_path):
     with pytest.raises(ValueError, match="incomplete"):
         HiddenStateCache(output)
 
-    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    resumed = run_launch(command, env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     missing = [k for k in range(16) if shard_name(k) not in finished]
     for rank in (0, 1):  # shard k belongs to process k % 2, whichever run captures it
@@ -253,7 +237,7 @@ def test_two_processes_with_different_settings_are_refused(launch_world, tmp_pat
         "sys.exit(main())\n"
     )
     command, env = _launch(launch_world, tmp_path / "mixed", script=[str(wrapper)])
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = run_launch(command, env)
     assert done.returncode != 0
     assert ("dspark-hf cache: error: the cache processes disagree on dtype: process 1 has 'float32', process 0 has "
             "'bfloat16'; launch every process with the same arguments, target and dataset") in done.stderr

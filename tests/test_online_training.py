@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import free_port, make_tiny_target, run_launch
 from safetensors.torch import load_file
 
 from dspark_hf.cache import HiddenStateCache, build_cache
@@ -190,10 +189,10 @@ def test_two_process_cpu_ddp_online_equals_cached(world, tmp_path):
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
-              "--dynamo_backend", "no", "--multi_gpu", "--num_processes", "2", "--main_process_port", "29527"]
+              "--dynamo_backend", "no", "--multi_gpu", "--num_processes", "2", "--main_process_port"]
     for name, source in sources.items():
-        done = subprocess.run(launch + ["-m", "dspark_hf.cli", "train", "--output-dir", str(tmp_path / name)] + common + source,
-                              env=env, capture_output=True, text=True, timeout=300)
+        done = run_launch(launch + [str(free_port()), "-m", "dspark_hf.cli", "train", "--output-dir", str(tmp_path / name)]
+                          + common + source, env)
         assert done.returncode == 0, done.stderr[-3000:]
     a = load_file(str(tmp_path / "cached" / "drafter" / "model.safetensors"))
     b = load_file(str(tmp_path / "online" / "drafter" / "model.safetensors"))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port, run_launch
 from safetensors.torch import load_file
 from transformers import AutoModel, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -182,12 +183,12 @@ def test_two_process_cpu_ddp_matches_single_process(tmp_path):
               "--dynamo_backend", "no"]
     runs = {
         "single": launch + ["--num_processes", "1", "--cpu"],
-        "ddp": launch + ["--multi_gpu", "--num_processes", "2", "--main_process_port", "29517"],
+        "ddp": launch + ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())],
     }
     for name, command in runs.items():
         accumulation = ["--gradient-accumulation-steps", "2"] if name == "single" else []
-        done = subprocess.run(command + ["-m", "dspark_hf.cli", "train", "--output-dir", str(tmp_path / name)]
-                              + common + accumulation, env=env, capture_output=True, text=True, timeout=300)
+        done = run_launch(command + ["-m", "dspark_hf.cli", "train", "--output-dir", str(tmp_path / name)]
+                          + common + accumulation, env)
         assert done.returncode == 0, done.stderr[-3000:]
     a, b = _weights(tmp_path / "single" / "drafter"), _weights(tmp_path / "ddp" / "drafter")
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
