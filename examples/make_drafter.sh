@@ -104,7 +104,8 @@ stage "3/8 vocab: top-16384 assistant tokens"
 TRAIN_COMMON=(--train-cache "$WORK/cache-train" --eval-cache "$WORK/cache-validation" --target smollm2
   --draft-vocab "$WORK/draft_vocab.safetensors" --mask-token-id $MASK
   --max-steps "$STEPS" --batch-size 4 --max-anchors 32 --learning-rate 1e-3 --warmup-steps 60
-  --mixed-precision bf16 --eval-steps 0 --save-steps 100 --logging-steps 50 --report-to tensorboard --no-progress)
+  --mixed-precision bf16 --eval-steps 0 --save-steps 100 --save-total-limit 2 --logging-steps 50 --report-to tensorboard
+  --no-progress)  # two checkpoints per run are enough to resume (each ~330 MB; all 30 of a 3,000-step run: ~10 GB)
 [ -n "${MAX_STEPS_PER_RUN:-}" ] && TRAIN_COMMON+=(--max-steps-per-run "$MAX_STEPS_PER_RUN")
 train() {  # $1 = output dir, rest = head options
   local out=$1; shift

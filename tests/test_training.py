@@ -164,6 +164,33 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert all(torch.isfinite(p).all() for p in drafter.parameters())
 
 
+def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path, capsys):
+    """`--save-total-limit 2` leaves exactly the two newest of the checkpoints a run without it writes, byte for byte,
+    and a run resumes from them; 0 is refused in one line, since it would delete what --resume needs."""
+    every = tiny_args(tmp_path / "every", max_steps=9, save_steps=2, eval_cache=None)
+    limited = tiny_args(tmp_path / "limited", max_steps=9, save_steps=2, eval_cache=None, save_total_limit=2)
+    train(every)
+    train(limited)
+    written = sorted((p.name for p in (tmp_path / "every" / "checkpoints").iterdir()), key=lambda n: int(n.split("-")[1]))
+    kept = sorted((p.name for p in (tmp_path / "limited" / "checkpoints").iterdir()), key=lambda n: int(n.split("-")[1]))
+    assert len(written) > 2 and kept == written[-2:]
+    for name in kept:
+        a = load_file(str(tmp_path / "every" / "checkpoints" / name / "model.safetensors"))
+        b = load_file(str(tmp_path / "limited" / "checkpoints" / name / "model.safetensors"))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    train(tiny_args(tmp_path / "limited", max_steps=12, save_steps=2, eval_cache=None, save_total_limit=2, resume=True))
+    assert len(list((tmp_path / "limited" / "checkpoints").iterdir())) == 2
+
+    from dspark_hf import cli
+
+    capsys.readouterr()  # the runs' own output
+
+    assert cli.main(["train", "--train-cache", every.train_cache, "--output-dir", str(tmp_path / "zero"),
+                     "--save-total-limit", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--save-total-limit 0 would delete every checkpoint" in err, err
+
+
 DDP_TOLERANCE = 1e-4  # max |Δweight| after 15 steps: gloo all-reduce vs sequential accumulation, fp32 sum order
 
 

@@ -135,6 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     book.add_argument("--logging-steps", type=int, default=defaults.logging_steps)
     book.add_argument("--eval-steps", type=int, default=defaults.eval_steps, help="0 = validate at the end only")
     book.add_argument("--save-steps", type=int, default=defaults.save_steps, help="0 = checkpoint at the end only")
+    book.add_argument("--save-total-limit", type=int, default=defaults.save_total_limit,
+                      help="keep only the newest N checkpoints, deleting older ones after each save (default: keep all)")
     book.add_argument("--resume", nargs="?", const=True, default=False,
                       help="continue from the latest checkpoint in --output-dir (or the given checkpoint directory)")
     book.add_argument("--max-steps-per-run", type=int, help="checkpoint and stop after this many steps (time-boxed jobs)")
@@ -147,6 +149,9 @@ def arguments_from_namespace(args: argparse.Namespace) -> TrainingArguments:
     check_data_source(args)
     if not args.output_dir:
         raise ValueError("--output-dir is required for `dspark-hf train`.")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        raise ValueError(f"--save-total-limit {args.save_total_limit} would delete every checkpoint, the one --resume "
+                         "needs; pass 1 or more, or leave it out to keep all.")
     overrides = _overrides(args.drafter_config)
     for flag, key in (("mask_token_id", "mask_token_id"), ("num_draft_layers", "num_hidden_layers"),
                       ("block_size", "block_size"), ("sample_from_anchor", "sample_from_anchor"),

@@ -110,6 +110,7 @@ class TrainingArguments:
     logging_steps: int = 10
     eval_steps: int = 0  # 0 = validate only at the end
     save_steps: int = 0  # 0 = checkpoint only at the end
+    save_total_limit: int | None = None  # keep only the newest N checkpoints; None = all (transformers' Trainer default)
     resume: bool | str = False  # True = latest checkpoint in output_dir; or a checkpoint directory
     max_steps_per_run: int | None = None  # stop (after a checkpoint) once this run did this many steps (time-boxed jobs)
     report_to: str | None = "tensorboard"  # any accelerate tracker name, or None
@@ -207,8 +208,20 @@ def save_checkpoint(accelerator, model, state: TrainerState, output_dir: Path, a
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         _write_json_atomic(output_dir / "training_args.json", asdict(args))
+        prune_checkpoints(output_dir, args.save_total_limit)
     accelerator.wait_for_everyone()
     return final
+
+
+def prune_checkpoints(output_dir: Path, keep: int | None) -> None:
+    """Delete all but the newest `keep` checkpoints (`--save-total-limit`), once a newer one is complete: a run that
+    saves every 100 steps otherwise fills the disk (330 MB per checkpoint for the shipped SmolLM2 drafter)."""
+    root = output_dir / CHECKPOINTS
+    if keep is None or not root.is_dir():
+        return
+    complete = sorted((p for p in root.glob("checkpoint-*") if p.is_dir() and checkpoint_step(p) >= 0), key=checkpoint_step)
+    for old in complete[: max(len(complete) - keep, 0)]:
+        shutil.rmtree(old)
 
 
 def _write_json_atomic(path: Path, payload: dict) -> None:
