@@ -112,17 +112,18 @@ def slot_terms(
     over a whole batch, every elementwise op streams the (slots × V_d) float32 intermediates through memory (60 MB
     at 896 slots × 16k); a chunk stays in cache, which makes the loss 2.3× faster with the same values (every op is
     row-wise). On an accelerator one chunk: launches cost more there than memory traffic."""
-    V = logits.shape[-1]
-    chunk = CPU_CHUNK_SLOTS if logits.device.type == "cpu" else max(logits[..., 0].numel(), 1)
-    flat_labels = labels.reshape(-1).split(chunk) if labels is not None else None
+    shape = logits.shape[:-1]
+    chunk = CPU_CHUNK_SLOTS if logits.device.type == "cpu" else max(shape.numel(), 1)
+    chunk_logits = logits.reshape(-1, logits.shape[-1]).split(chunk)
+    chunk_rows = target.rows.reshape(-1).split(chunk)
+    chunk_labels = labels.reshape(-1).split(chunk) if labels is not None else [None] * len(chunk_logits)
     tv, ce = [], []
-    for k, (slot_logits, rows) in enumerate(zip(logits.reshape(-1, V).split(chunk), target.rows.reshape(-1).split(chunk))):
+    for slot_logits, rows, slot_labels in zip(chunk_logits, chunk_rows, chunk_labels):
         log_q = torch.log_softmax(slot_logits.float(), dim=-1)
         tv.append(total_variation(log_q.exp(), target.probs[rows].float()))
-        if flat_labels is not None:
-            ce.append(-log_q.gather(-1, flat_labels[k][:, None]).squeeze(-1))
-    shape = logits.shape[:-1]
-    return torch.cat(tv).reshape(shape), (torch.cat(ce).reshape(shape) if flat_labels is not None else None)
+        if slot_labels is not None:
+            ce.append(-log_q.gather(-1, slot_labels[:, None]).squeeze(-1))
+    return torch.cat(tv).reshape(shape), (torch.cat(ce).reshape(shape) if labels is not None else None)
 
 
 def _weighted_mean(values: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
