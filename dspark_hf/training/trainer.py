@@ -183,11 +183,16 @@ def checkpoint_step(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint (temporary, half-written ones are never named checkpoint-<n>)."""
+def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints, oldest first (temporary, half-written ones are never named checkpoint-<n>)."""
     root = Path(output_dir) / CHECKPOINTS
     found = [p for p in root.glob("checkpoint-*") if p.is_dir() and checkpoint_step(p) >= 0] if root.is_dir() else []
-    return max(found, key=checkpoint_step) if found else None
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    found = complete_checkpoints(output_dir)
+    return found[-1] if found else None
 
 
 def save_checkpoint(accelerator, model, state: TrainerState, output_dir: Path, args: TrainingArguments,
@@ -216,10 +221,9 @@ def save_checkpoint(accelerator, model, state: TrainerState, output_dir: Path, a
 def prune_checkpoints(output_dir: Path, keep: int | None) -> None:
     """Delete all but the newest `keep` checkpoints (`--save-total-limit`), once a newer one is complete: a run that
     saves every 100 steps otherwise fills the disk (330 MB per checkpoint for the shipped SmolLM2 drafter)."""
-    root = output_dir / CHECKPOINTS
-    if keep is None or not root.is_dir():
+    if keep is None:
         return
-    complete = sorted((p for p in root.glob("checkpoint-*") if p.is_dir() and checkpoint_step(p) >= 0), key=checkpoint_step)
+    complete = complete_checkpoints(output_dir)
     for old in complete[: max(len(complete) - keep, 0)]:
         shutil.rmtree(old)
 
