@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dspark-hf-installed
-REMOTE_CODE := configuration_dspark.py modeling_dspark.py
+# the remote-code files, as listed once in configuration_dspark.py (REMOTE_CODE_FILES)
+REMOTE_CODE := $(shell sed -n '/^REMOTE_CODE_FILES = (/,/^)/p' configuration_dspark.py | grep -o '"[a-z_]*\.py"' | tr -d '"')
 SHIPPED_CHECKPOINTS := examples/smollm2-dspark examples/smollm2-dflash
 
 .PHONY: setup test demo drafter sync-remote-code clean

@@ -14,8 +14,19 @@ import copy
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
-from transformers import PreTrainedConfig
+from transformers import PreTrainedConfig, PreTrainedModel
 
+
+# The remote-code files, written once: each checkpoint carries all of them (`save_pretrained` copies every file that
+# `modeling_dspark.py` imports; `make sync-remote-code` and the wheel build read this list).
+REMOTE_CODE_FILES = (
+    "configuration_dspark.py",
+    "modeling_dspark.py",
+    "generation_dspark.py",
+    "routing_dspark.py",
+    "scheduling_dspark.py",
+    "profiling_dspark.py",
+)
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -175,7 +186,7 @@ class DSparkConfig(PreTrainedConfig):
         self.verifier_architectures = self.verifier_architectures or verifier.get("architectures") or None
 
     def _check(self):
-        """One clear error per impossible combination (DESIGN §9): the first (condition, message) that holds is raised."""
+        """One clear error per impossible combination (docs/design.md §9): the first (condition, message) that holds is raised."""
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
         rank, head_type = self.markov_rank, self.markov_head_type
         vocab, draft_vocab, mask = self.vocab_size, self.draft_vocab_size, self.mask_token_id
@@ -266,4 +277,30 @@ class DSparkConfig(PreTrainedConfig):
         return cls(**{**copy.deepcopy(PRESETS[name]), **overrides})
 
 
-__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "PRESETS"]
+def check_target_compatibility(config: DSparkConfig, target: PreTrainedModel):
+    """One clear error per way a drafter cannot serve this target (docs/design.md §9)."""
+    text_config = target.config.get_text_config()
+    if text_config.hidden_size != config.target_hidden_size:
+        raise ValueError(
+            f"DSpark drafter expects target hidden size {config.target_hidden_size} but the target has "
+            f"{text_config.hidden_size}; use a drafter trained for this target."
+        )
+    if text_config.vocab_size != config.vocab_size:
+        raise ValueError(
+            f"DSpark drafter vocab_size={config.vocab_size} differs from the target's {text_config.vocab_size}; "
+            "use a drafter trained for this target's tokenizer."
+        )
+    depth = text_config.num_hidden_layers
+    if max(config.aux_hidden_state_layer_ids) > depth:
+        raise ValueError(
+            f"DSpark aux layer id {max(config.aux_hidden_state_layer_ids)} is beyond the target's {depth} layers; "
+            f"use aux_hidden_state_layer_ids within [0, {depth}]."
+        )
+    if config.target_num_hidden_layers is not None and config.target_num_hidden_layers != depth:
+        raise ValueError(
+            f"DSpark drafter was trained for a target of {config.target_num_hidden_layers} layers but this target has "
+            f"{depth}; use a drafter trained for this target (target_num_hidden_layers={depth})."
+        )
+
+
+__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "PRESETS", "REMOTE_CODE_FILES", "check_target_compatibility"]

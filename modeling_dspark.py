@@ -4,9 +4,11 @@
 Remote-code file: copied next to every checkpoint, imports only torch and transformers (siblings as `from .x`).
 
 Reading order (as in `modeling_llama.py`): norm → rotary → MLP → attention with KV injection → draft layer → Markov
-head variants → confidence head → draft schedules → token choice → context cache and outputs → checkpoint/target
-checks → PreTrainedModel → DSparkForDrafting (training forward and `draft_block`) → the candidate generator that plugs
-the drafter into `target.generate(assistant_model=drafter)` → the routing hook installed when this module is imported.
+head variants → confidence head → token choice → context cache and outputs → checkpoint checks → PreTrainedModel →
+DSparkForDrafting (training forward, `draft_block`, and the factory that plugs the drafter into
+`target.generate(assistant_model=drafter)`). The rest lives beside this file, one concern each: `configuration_dspark`
+(config, presets, target check), `generation_dspark` (settings, stats, candidate generator), `routing_dspark` (the
+generate() hooks), `scheduling_dspark` (draft schedules, back-off, prompt lookup), `profiling_dspark` (verify cost).
 
 Notation: d hidden size, m aux layers, B block size, N drafts per block (B-1, or B with `sample_from_anchor`),
 V_t target vocab, V_d draft vocab, r Markov rank. Draft n (1..N) always predicts the token at position p+n, where
@@ -15,16 +17,10 @@ p is the anchor's position; its hidden row is slot n (DFlash/Kimi convention) or
 
 from __future__ import annotations
 
-import functools
 import glob
-import hashlib
-import json
-import math
 import os
-import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,8 +29,6 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.generation import GenerationMixin
-from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -42,15 +36,15 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import ModelOutput, logging
+from transformers.utils import ModelOutput
 
-from .configuration_dspark import DSparkConfig
-
-logger = logging.get_logger(__name__)
+from .configuration_dspark import DSparkConfig, check_target_compatibility
+from .generation_dspark import DSparkCandidateGenerator, DSparkDraftingState, DSparkGenerationStats
+from .routing_dspark import DSPARK_STOPPING_ATTRIBUTE, install_dspark_routing
+from .scheduling_dspark import DSparkDraftSchedule, draft_schedule
 
 
 class DSparkRMSNorm(nn.Module):
@@ -387,74 +381,6 @@ class DSparkConfidenceHead(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Draft schedules: decide, left to right, whether draft n of a block is proposed for verification. They see only the
-# calibrated confidence c_n, which depends on the tokens before n, so every schedule is lossless (a schedule may also
-# cut the block back after drafting it, `finish`, which only greedy decoding allows: see DSparkHardwareAwareSchedule).
-
-
-class DSparkDraftSchedule:
-    """Base schedule: admits every draft (fixed block length). `survival` is a_n = Π_{i≤n} c_i of the drafts seen."""
-
-    def start(self) -> None:
-        """Called once at the start of each block."""
-        self.survival = 1.0
-
-    def admit(self, confidence: float) -> bool:
-        """Draft n's calibrated c_n -> True: propose draft n; False: end the block before it."""
-        self.survival *= confidence
-        return True
-
-    def finish(self, num_drafted: int) -> int:
-        """After the block: how many of its drafts to propose (all of them; a lookahead schedule may cut back)."""
-        return num_drafted
-
-
-class DSparkThresholdSchedule(DSparkDraftSchedule):
-    """Admit draft n while its survival a_n stays at or above `threshold` (None: no threshold)."""
-
-    def __init__(self, threshold: float | None):
-        self.threshold = threshold
-
-    def admit(self, confidence: float) -> bool:
-        super().admit(confidence)
-        return self.threshold is None or self.survival >= self.threshold
-
-
-class DSparkVerifyCostSchedule(DSparkThresholdSchedule):
-    """Admit draft n only while it raises the expected committed tokens per unit of verify cost.
-
-    With E = 1 + Σ a_i over the admitted drafts (the bonus token counts) and C = 1 + verify_cost · (drafts admitted),
-    draft n is admitted when (E + a_n) / (C + verify_cost) > E / C. `verify_cost` is the cost of one more verified
-    token relative to a whole verify pass; an optional survival `threshold` is applied first.
-    """
-
-    def __init__(self, verify_cost: float, threshold: float | None = None):
-        super().__init__(threshold)
-        self.verify_cost = verify_cost
-
-    def start(self) -> None:
-        super().start()
-        self.expected, self.cost = 1.0, 1.0
-
-    def admit(self, confidence: float) -> bool:
-        if not super().admit(confidence):
-            return False
-        if (self.expected + self.survival) / (self.cost + self.verify_cost) <= self.expected / self.cost:
-            return False
-        self.expected, self.cost = self.expected + self.survival, self.cost + self.verify_cost
-        return True
-
-
-def draft_schedule(confidence_threshold: float | None = None, verify_cost: float | None = None) -> DSparkDraftSchedule:
-    """The schedule that the `confidence_threshold` / `verify_cost` settings describe (fixed length if neither)."""
-    if verify_cost is not None:
-        return DSparkVerifyCostSchedule(verify_cost, confidence_threshold)
-    if confidence_threshold is not None:
-        return DSparkThresholdSchedule(confidence_threshold)
-    return DSparkDraftSchedule()
-
-
-# ------------------------------------------------------------------------------------------------------------------
 # Token choice: each draft is chosen the way the target will judge it.
 
 
@@ -616,32 +542,6 @@ def check_checkpoint_shapes(directory: str, config: DSparkConfig):
                     )
 
 
-def check_target_compatibility(config: DSparkConfig, target: PreTrainedModel):
-    """One clear error per way a drafter cannot serve this target (DESIGN §9)."""
-    text_config = target.config.get_text_config()
-    if text_config.hidden_size != config.target_hidden_size:
-        raise ValueError(
-            f"DSpark drafter expects target hidden size {config.target_hidden_size} but the target has "
-            f"{text_config.hidden_size}; use a drafter trained for this target."
-        )
-    if text_config.vocab_size != config.vocab_size:
-        raise ValueError(
-            f"DSpark drafter vocab_size={config.vocab_size} differs from the target's {text_config.vocab_size}; "
-            "use a drafter trained for this target's tokenizer."
-        )
-    depth = text_config.num_hidden_layers
-    if max(config.aux_hidden_state_layer_ids) > depth:
-        raise ValueError(
-            f"DSpark aux layer id {max(config.aux_hidden_state_layer_ids)} is beyond the target's {depth} layers; "
-            f"use aux_hidden_state_layer_ids within [0, {depth}]."
-        )
-    if config.target_num_hidden_layers is not None and config.target_num_hidden_layers != depth:
-        raise ValueError(
-            f"DSpark drafter was trained for a target of {config.target_num_hidden_layers} layers but this target has "
-            f"{depth}; use a drafter trained for this target (target_num_hidden_layers={depth})."
-        )
-
-
 class DSparkPreTrainedModel(PreTrainedModel):
     config_class = DSparkConfig
     config: DSparkConfig
@@ -702,14 +602,10 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         self.confidence_head = DSparkConfidenceHead(config) if config.enable_confidence_head else None
         self.d2t = nn.Buffer(torch.zeros(config.draft_vocab_size, dtype=torch.long))  # draft id j -> target j + d2t[j]
         self.t2d = nn.Buffer(torch.zeros(config.vocab_size, dtype=torch.bool))  # target id in draft vocab?
-        # Drafting settings read by the candidate generator: `num_assistant_tokens` (max drafts per round),
-        # `dspark_confidence_threshold` and `dspark_verify_cost` (confidence-scheduled block length, off by default).
+        # Drafting settings (`num_assistant_tokens`, `dspark_*`), read by the candidate generator: see
+        # `DSparkDraftingSettings`. What the drafter learns from one generate call to the next: `drafting_state`.
         self.generation_config = GenerationConfig(num_assistant_tokens=config.num_draft_tokens)
-        # The hardware schedule's online confidence bias per decoding setting, kept across generate calls (clear it
-        # to start over, e.g. after switching to another kind of prompt).
-        self.dspark_confidence_bias: dict[tuple, float] = {}
-        # ... and the acceptance counts of prompt-lookup drafts per decoding setting (`DSparkPromptLookup`).
-        self.dspark_lookup_counts: dict[tuple, dict[int, list[float]]] = {}
+        self.drafting_state = DSparkDraftingState()
         self.post_init()
         self.embed_tokens.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)
@@ -747,7 +643,7 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         self.embed_tokens.weight.copy_(embeddings.to(device=device, dtype=self.embed_tokens.weight.dtype))
         rows = self.draft_to_target_ids.to(head.device)
         self.lm_head.weight.copy_(head[rows].to(device=device, dtype=self.lm_head.weight.dtype))
-        self._bound_target = target.config.name_or_path
+        self.drafting_state.bound_target = target.config.name_or_path
 
     def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
         """Also writes the drafting settings (`generation_config.json`); checkpoints with `bind_target_embeddings`
@@ -1047,7 +943,7 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         return self._draft_tokens(self._draft_rows(block_hidden)[:, :num_drafts], anchor, state, schedule, chooser)
 
     # --------------------------------------------------------------------------------------------------------------
-    # transformers integration: the routing hook (end of this file) calls this, bound to the drafter, to serve
+    # transformers integration: the routing hooks (`routing_dspark.py`) call this, bound to the drafter, to serve
     # `target.generate(..., assistant_model=drafter)`; its name is DSPARK_FACTORY_ATTRIBUTE.
 
     def _dspark_candidate_generator_factory(
@@ -1063,892 +959,32 @@ class DSparkForDrafting(DSparkPreTrainedModel):
             self, target, input_ids, generation_config, logits_processor, model_kwargs, stopping_criteria
         )
 
-
-# ------------------------------------------------------------------------------------------------------------------
-# Hardware-aware draft length (the DSpark paper's scheduler at batch 1): the target's measured verify cost t(k) for
-# k drafts, stored per target/device/dtype/torch under the Hugging Face cache home, and a schedule that drafts the k
-# maximising expected committed tokens per second, deciding draft n from c_1..c_n only when sampling (greedy: after
-# seeing the whole block), and prompt-lookup drafts priced by the same schedule.
-
-PROFILE_FORMAT = "dspark-verify-profile/2"  # /2: every k measured, no envelope (older files are re-measured)
-PROFILE_CONTEXT_LENGTHS = (128, 512)  # context lengths measured; others are interpolated
-PROFILE_REPEATS = 4  # timed repetitions per (context, k), after one warm-up pass
-PROFILE_MAX_SPREAD = 0.25  # a timing whose interquartile spread exceeds this fraction of its median is noise
-PROFILE_TYPICAL_SPREAD = 0.10  # ... and a profile whose median spread exceeds this fraction cannot rank k
-
-
-@functools.cache
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "cpu")
-    except OSError:
-        return "cpu"
-
-
-def _device_description(device: torch.device) -> str:
-    """What the timings belong to: the accelerator's name, or the CPU model and torch's thread count."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type != "cpu":
-        return device.type
-    return f"{_cpu_name()}, {torch.get_num_threads()} thread(s)"
-
-
-def verify_profile_key(target: PreTrainedModel) -> dict[str, str]:
-    """Everything a verify timing depends on; a profile whose key differs is never used."""
-    config = target.config.to_dict()
-    for volatile in ("_name_or_path", "name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash"):
-        config.pop(volatile, None)
-    config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    device = target.device
-    return {
-        "target": str(target.config.name_or_path or type(target).__name__),
-        "revision": str(getattr(target.config, "_commit_hash", None) or ""),
-        "config_sha256": config_hash,
-        "device": device.type,
-        "device_name": _device_description(device),
-        "dtype": str(target.dtype).replace("torch.", ""),
-        "torch": torch.__version__,
-    }
-
-
-def verify_profile_path(key: dict[str, str]) -> str:
-    """`<HF_HOME>/dspark/profiles/<target>-<hash of the key>.json` (HF_HOME read at call time)."""
-    from huggingface_hub import constants  # ships with transformers
-
-    home = os.path.expanduser(os.environ.get("HF_HOME") or constants.HF_HOME)
-    slug = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in key["target"].split("/")[-1])[:64]
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(home, "dspark", "profiles", f"{slug}-{digest}.json")
-
-
-@dataclass
-class DSparkVerifyProfile:
-    """t(k): seconds of one verify pass over k drafts (a forward of k+1 tokens on a cached context), per context."""
-
-    key: dict[str, str]
-    context_lengths: list[int]
-    verify_time_s: list[list[float]]  # [context][k] median over repeats
-    spread_s: list[list[float]]  # [context][k] interquartile range over repeats
-    noisy: bool = False
-    measured_in_s: float = 0.0
+    def new_context_cache(self) -> DSparkContextCache:
+        """An empty context cache for one generation (the candidate generator's)."""
+        return DSparkContextCache()
 
     @property
-    def max_drafts(self) -> int:
-        return len(self.verify_time_s[0]) - 1
-
-    def verify_time(self, num_drafts: int, context_length: int) -> float:
-        """t(k) at this context length: linear between measured lengths, the nearest one outside them."""
-        lengths, times = self.context_lengths, [row[num_drafts] for row in self.verify_time_s]
-        if context_length <= lengths[0]:
-            return times[0]
-        for i in range(1, len(lengths)):
-            if context_length <= lengths[i]:
-                w = (context_length - lengths[i - 1]) / (lengths[i] - lengths[i - 1])
-                return times[i - 1] + w * (times[i] - times[i - 1])
-        return times[-1]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"format": PROFILE_FORMAT, **{name: getattr(self, name) for name in self.__dataclass_fields__}}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DSparkVerifyProfile":
-        """Raises ValueError on anything that is not a well-formed profile."""
-        if not isinstance(data, dict) or not str(data.get("format", "")).startswith(PROFILE_FORMAT.split("/")[0]):
-            raise ValueError("not a DSpark verify profile")
-        if data["format"] != PROFILE_FORMAT:
-            raise ValueError(f"format {data['format']}, this DSpark reads {PROFILE_FORMAT}")
-        profile = cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
-        rows = profile.verify_time_s + profile.spread_s
-        if (
-            not profile.context_lengths
-            or len(profile.verify_time_s) != len(profile.context_lengths)
-            or len(profile.spread_s) != len(profile.context_lengths)
-            or len({len(row) for row in rows}) != 1
-            or not all(isinstance(t, (int, float)) and t >= 0 for row in rows for t in row)
-        ):
-            raise ValueError("malformed timings")
-        return profile
-
-
-def _is_noisy(times: list[float], spreads: list[float]) -> bool:
-    """Too noisy to rank k: one timing's spread wider than PROFILE_MAX_SPREAD of its median, or the typical (median)
-    spread wider than PROFILE_TYPICAL_SPREAD. A consistent inversion, t(k+1) < t(k) with tight spreads, is no noise:
-    a CPU picks another matmul kernel for 3 rows than for 4 (fp32 on a 2-core EPYC: 3 tokens verify slower than 4),
-    and the schedule should know it."""
-    relative = sorted(s / t for t, s in zip(times, spreads))
-    return relative[-1] > PROFILE_MAX_SPREAD or relative[len(relative) // 2] > PROFILE_TYPICAL_SPREAD
-
-
-def _synchronize(device: torch.device):
-    if device.type != "cpu" and hasattr(torch, device.type):
-        getattr(torch, device.type).synchronize()
-
-
-@torch.no_grad()
-def _time_verify_passes(target, tokens: torch.Tensor, length: int, counts: list[int], repeats: int) -> list[list[float]]:
-    """Seconds of each forward of k+1 tokens after `length` cached ones, `repeats` times per k in `counts`, as a
-    verify pass runs (aux hidden states requested, cache cropped back). The k order rotates each repetition so a
-    slow moment of a shared machine lands on every k alike; repetition 0 warms up and is dropped."""
-    device = target.device
-    prefill = target(input_ids=tokens[:, :length], use_cache=True)
-    cache = getattr(prefill, "cache", None) or prefill.past_key_values
-    samples: list[list[float]] = [[] for _ in counts]
-    for repeat in range(repeats + 1):
-        shift = repeat % len(counts)
-        for i in list(range(len(counts)))[shift:] + list(range(len(counts)))[:shift]:
-            k = counts[i]
-            _synchronize(device)
-            start = time.perf_counter()
-            target(input_ids=tokens[:, length : length + k + 1], cache=cache, use_cache=True, output_hidden_states=True)
-            _synchronize(device)
-            if repeat:
-                samples[i].append(time.perf_counter() - start)
-            cache.crop(-(k + 1))
-    return samples
-
-
-def measure_verify_profile(
-    target: PreTrainedModel,
-    max_drafts: int,
-    context_lengths: tuple[int, ...] = PROFILE_CONTEXT_LENGTHS,
-    repeats: int = PROFILE_REPEATS,
-) -> DSparkVerifyProfile:
-    """t(k) for every k = 0..max_drafts at each context length, on random tokens: the median of `repeats` timings
-    and their interquartile spread; marked noisy when the timings cannot rank k (see `_is_noisy`). Every k is timed,
-    none interpolated: on CPUs t(k) is not even monotone (small-matrix kernels change with the row count)."""
-    started = time.perf_counter()
-    text_config = target.config.get_text_config()
-    limit = getattr(text_config, "max_position_embeddings", None) or max(context_lengths) + max_drafts + 1
-    lengths = sorted({max(1, min(length, limit - max_drafts - 1)) for length in context_lengths})
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, text_config.vocab_size, (1, lengths[-1] + max_drafts + 1), generator=generator)
-    tokens = tokens.to(target.device)
-    counts = list(range(max_drafts + 1))
-    medians, spreads, noisy = [], [], False
-    for length in lengths:
-        ordered = [sorted(s) for s in _time_verify_passes(target, tokens, length, counts, repeats)]
-        times = [s[(len(s) - 1) // 2] for s in ordered]
-        spread = [s[(3 * len(s) - 1) // 4] - s[len(s) // 4] for s in ordered]  # robust to one outlier in four
-        noisy = noisy or _is_noisy(times, spread)
-        medians.append(times)
-        spreads.append(spread)
-    return DSparkVerifyProfile(verify_profile_key(target), lengths, medians, spreads, noisy, time.perf_counter() - started)
-
-
-_PROFILES_IN_MEMORY: dict[str, DSparkVerifyProfile] = {}
-
-
-def load_or_measure_verify_profile(target: PreTrainedModel, max_drafts: int, remeasure: bool = False) -> DSparkVerifyProfile:
-    """The stored profile for this target, device, dtype and torch version; measured (and stored) when missing,
-    foreign, corrupt or covering fewer drafts. A bad file costs one warning line, never an error."""
-    key = verify_profile_key(target)
-    path = verify_profile_path(key)
-    cached = _PROFILES_IN_MEMORY.get(path)
-    if cached is not None and not remeasure and cached.key == key and cached.max_drafts >= max_drafts:
-        return cached
-    profile = None
-    if os.path.isfile(path) and not remeasure:
-        try:
-            with open(path) as file:
-                profile = DSparkVerifyProfile.from_dict(json.load(file))
-            if profile.key != key:
-                logger.warning(f"DSpark verify profile {path} belongs to another target/device/dtype/torch; re-measuring.")
-                profile = None
-        except (OSError, ValueError, TypeError, KeyError) as error:
-            logger.warning(f"DSpark verify profile {path} is unreadable ({error}); re-measuring.")
-            profile = None
-    if profile is None or profile.max_drafts < max_drafts:
-        profile = measure_verify_profile(target, max_drafts)
-        logger.warning(
-            f"DSpark measured the target's verify cost for 0..{max_drafts} drafts in {profile.measured_in_s:.1f} s"
-            f"{' (too noisy to rank draft lengths: falling back to the confidence threshold)' if profile.noisy else ''};"
-            f" stored in {path}."
-        )
-        store_verify_profile(profile, path)
-    _PROFILES_IN_MEMORY[path] = profile
-    return profile
-
-
-def store_verify_profile(profile: DSparkVerifyProfile, path: str):
-    """Write atomically; an unwritable cache home only loses the reuse, not the profile."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        staging = f"{path}.{os.getpid()}.tmp"
-        with open(staging, "w") as file:
-            json.dump(profile.to_dict(), file, indent=1)
-        os.replace(staging, path)
-    except OSError as error:
-        logger.warning(f"DSpark could not store the verify profile at {path} ({error}); it will be measured again.")
-
-
-class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
-    """Drafts the k maximising expected committed tokens per second, (1 + Σ_{n≤k} a_n) / (t(k) + draft time).
-
-    Lossless by construction: draft n is admitted from c_1..c_n alone. At draft n the later survivals are projected
-    geometrically from the newest conditional confidence, â_m = a_n · c_n^(m-n) (the drafter's confidences are
-    strongly correlated along a block, so the last one is the best guess for the next), and draft n is admitted iff
-    the best ratio over every k ≥ n beats stopping at n-1. Stopping at 0 is a plain target step, costed t(0) without
-    the draft time (the back-off then skips the drafter), so drafting must beat plain decoding, and by `min_gain`: a
-    drafted round's cost counts `min_gain` times over, so it must promise that multiple of a plain step's rate (its
-    outcome is a gamble on a few probabilities, and a short generation never earns a lost round back; among drafted
-    lengths the comparison is unchanged). t(k) comes from the profile at the current context length, rescaled by how
-    fast verify passes actually run now (a shared machine drifts); the draft time is a running mean of the drafter's own time per round. On a noisy profile the schedule
-    falls back to the calibrated threshold rule (admit while a_n ≥ `fallback_threshold`).
-
-    Greedy decoding (`lookahead`) lifts the left-to-right restriction: greedy verification commits the target's own
-    argmax whatever is proposed, so any k is lossless, and the schedule drafts on while even certain later drafts
-    (c = 1) could beat the best stop so far, then proposes the k with the best expected rate given every c_n it saw
-    (`finish`). The geometric projection errs both ways (the conditionals usually fall along a block, and a dip is
-    often followed by confident drafts); when sampling, choosing k from later drafts would bias which drafts get
-    verified, so it stays left to right.
-
-    The confidences were calibrated offline on greedy drafts of the training domains; sampling (a draft survives
-    with probability Σ min(p, q), not 1[argmax match]) and unseen domains shift them. So each confidence gets a logit
-    bias learned online (Platt scaling by SGD; the candidate generator carries it from one generate call to the next
-    of the same decoding settings): every draft that verification reached (all before it accepted) is one Bernoulli
-    outcome of its c_n. The bias only uses finished rounds, so it stays lossless.
-    """
-
-    fallback_threshold = 0.5
-    smoothing = 0.2  # weight of the newest observation in the running draft time and verify-speed scale
-    recalibration_rate = 0.1  # SGD step of the online logit bias per verified draft
-    max_bias = 4.0  # |bias| bound: a run of misses can lower confidences, never pin them at 0 or 1
-
-    def __init__(
-        self,
-        profile: DSparkVerifyProfile,
-        max_drafts: int | None = None,
-        draft_time_s: float | None = None,
-        min_gain: float = 1.0,
-        lookahead: bool = False,
-    ):
-        self.profile = profile
-        self.min_gain = min_gain
-        self.lookahead = lookahead
-        self.max_drafts = profile.max_drafts if max_drafts is None else min(max_drafts, profile.max_drafts)
-        self.draft_time_s = draft_time_s
-        self.verify_scale = 1.0
-        self.context_length = profile.context_lengths[0]
-        self.bias = 0.0
-        self.start()
-
-    def observe_draft_time(self, seconds: float):
-        self.draft_time_s = seconds if self.draft_time_s is None else self._smooth(self.draft_time_s, seconds)
-
-    def observe_verify_time(self, num_drafts: int, context_length: int, seconds: float):
-        """A live verify round of k drafts: track the ratio of real to profiled time."""
-        profiled = self.profile.verify_time(min(num_drafts, self.profile.max_drafts), context_length)
-        if profiled > 0:
-            self.verify_scale = self._smooth(self.verify_scale, seconds / profiled)
-
-    def observe_outcome(self, num_drafted: int, num_accepted: int) -> tuple[float, int, int]:
-        """After verification of this round's `num_drafted` drafts: nudge the bias toward the outcomes of the drafts
-        verification reached. Returns (Σ predicted c_n, accepted, reached) over them, for live calibration stats."""
-        reached = self._admitted[: min(num_drafted, num_accepted + 1)]
-        for n, predicted in enumerate(reached, start=1):
-            self.bias += self.recalibration_rate * (float(n <= num_accepted) - predicted)
-        self.bias = min(max(self.bias, -self.max_bias), self.max_bias)
-        return sum(reached), min(num_accepted, len(reached)), len(reached)
-
-    def _smooth(self, old: float, new: float) -> float:
-        return (1 - self.smoothing) * old + self.smoothing * new
-
-    def _recalibrated(self, confidence: float) -> float:
-        confidence = min(max(confidence, 1e-6), 1 - 1e-6)
-        return 1.0 / (1.0 + math.exp(-(math.log(confidence / (1 - confidence)) + self.bias)))
-
-    def round_cost(self, num_drafts: int, draft_s: float) -> float:
-        """Seconds a round verifying `num_drafts` drafts is charged: its verify pass plus `draft_s`, times `min_gain`.
-        k = 0 is a plain step: with the back-off the drafter then stops running too."""
-        verify = self.verify_scale * self.profile.verify_time(num_drafts, self.context_length)
-        return verify if num_drafts == 0 else self.min_gain * (verify + draft_s)
-
-    def start(self):
-        self._costs = [self.round_cost(k, self.draft_time_s or 0.0) for k in range(self.max_drafts + 1)]
-        self._drafted, self.survival, self._expected = 0, 1.0, 1.0
-        self._admitted: list[float] = []  # recalibrated c_n of the drafts admitted this round
-        self._ratios = [1.0 / self._costs[0]]  # expected tokens per second of stopping after k = 0, 1, ... drafts
-
-    def admit(self, confidence: float) -> bool:
-        n = self._drafted + 1
-        if n > self.max_drafts:
-            return False
-        confidence = self._recalibrated(confidence)
-        survival = self.survival * confidence
-        if self.profile.noisy:
-            admitted = survival >= self.fallback_threshold
-        elif self.lookahead:  # draft on while even certain later drafts (c = 1) could beat the best stop so far
-            admitted = self._best_ratio_from(n, survival, 1.0) > max(self._ratios)
-        else:
-            admitted = self._best_ratio_from(n, survival, confidence) > self._expected / self._costs[n - 1]
-        if admitted:
-            self._drafted, self.survival, self._expected = n, survival, self._expected + survival
-            self._admitted.append(confidence)
-            self._ratios.append(self._expected / self._costs[n])
-        return admitted
-
-    def admitted_survivals(self) -> list[float]:
-        """a_1..a_k of the drafts this round proposes (recalibrated)."""
-        survivals, survival = [], 1.0
-        for confidence in self._admitted:
-            survival *= confidence
-            survivals.append(survival)
-        return survivals
-
-    def best_plan(self, survivals: list[float], drafter_ran: bool) -> tuple[int, float]:
-        """(k, expected tokens per second) of the best stop for drafts with these survivals a_1, a_2, ...: the
-        rate of a plain step for k = 0; the drafter's time counts when it ran this round, whoever drafted."""
-        draft = (self.draft_time_s or 0.0) if drafter_ran else 0.0
-        best, expected = (0, 1.0 / self.round_cost(0, draft)), 1.0
-        for k, survival in enumerate(survivals[: self.max_drafts], start=1):
-            expected += survival
-            rate = expected / self.round_cost(k, draft)
-            if rate > best[1]:
-                best = (k, rate)
-        return best
-
-    def finish(self, num_drafted: int) -> int:
-        """With lookahead, propose the k ≤ `num_drafted` whose expected rate is best, knowing every c_n drafted."""
-        if not self.lookahead or self.profile.noisy:
-            return num_drafted
-        best = max(range(num_drafted + 1), key=lambda k: self._ratios[k])
-        self._drafted, self._admitted = best, self._admitted[:best]
-        return best
-
-    def _best_ratio_from(self, n: int, survival: float, confidence: float) -> float:
-        best, expected, projected = 0.0, self._expected, survival
-        for k in range(n, self.max_drafts + 1):
-            expected += projected
-            best = max(best, expected / self._costs[k])
-            projected *= confidence
-        return best
-
-
-class DSparkDrafterBackoff:
-    """Skips the drafter after rounds that drafted nothing, for 1, 2, 4, ... up to `max_skip` rounds, each skip
-    followed by one probe round; a probe that drafts resets it. When drafting does not pay, the drafter's own cost
-    then vanishes too (a k = 0 round with a drafter pass costs more than a plain step)."""
-
-    def __init__(self, max_skip: int = 16):
-        self.max_skip = max_skip
-        self.skip_next = 0  # rounds to skip before the next probe
-        self.remaining = 0
-
-    def should_skip(self) -> bool:
-        if self.remaining > 0:
-            self.remaining -= 1
-            return True
-        return False
-
-    def record(self, num_drafts: int):
-        """After a round in which the drafter ran and the schedule chose `num_drafts`."""
-        self.skip_next = 0 if num_drafts else min(max(1, 2 * self.skip_next), self.max_skip)
-        self.remaining = self.skip_next
-
-
-class DSparkPromptLookup:
-    """Drafts copied from the context (prompt lookup): the tokens that followed the latest earlier occurrence of the
-    sequence's last n-gram, the longest of `max_ngram`..1 that occurs. Free to draft, and often right exactly where
-    the drafter is unsure: code restating its signature, a long chat quoting itself, a model repeating a phrase. The
-    hardware schedule prices them like the drafter's own, from survivals ℓ^n, where ℓ, the chance a lookup draft is
-    accepted once the ones before it were, is learned online per n-gram size: a Beta mean whose prior, worth
-    `prior_weight` drafts, is n / (n + 3) (a longer match is a better bet: 1-grams start at 1 in 4, 3-grams at 1 in 2),
-    so where verifying is dear (fp32 on a CPU) only long matches are tried until lookup has proven itself."""
-
-    prior_weight = 4.0
-
-    def __init__(self, max_ngram: int, max_tokens: int):
-        self.max_ngram, self.max_tokens = max_ngram, max_tokens
-        self.counts = {  # n-gram size -> [accepted, reached]
-            n: [self.prior_weight * n / (n + 3), self.prior_weight] for n in range(1, max_ngram + 1)
-        }
-
-    def propose(self, input_ids: torch.LongTensor, budget: int) -> tuple[torch.LongTensor, int]:
-        """(up to `budget` drafts (k,), the n-gram size matched); no drafts and size 0 when nothing matches."""
-        sequence = input_ids[0]
-        for n in range(min(self.max_ngram, sequence.shape[0] - 1), 0, -1):
-            earlier = sequence.unfold(0, n, 1)[:-1]  # every n-gram but the suffix itself
-            hits = (earlier == sequence[-n:]).all(dim=1).nonzero()
-            if hits.numel():
-                start = int(hits[-1]) + n
-                return sequence[start : start + min(budget, self.max_tokens)], n
-        return sequence[:0], 0
-
-    def survivals(self, ngram: int, num_drafts: int) -> list[float]:
-        accepted, reached = self.counts[ngram]
-        return [(accepted / reached) ** n for n in range(1, num_drafts + 1)]
-
-    def observe(self, ngram: int, num_drafted: int, num_accepted: int):
-        """Each draft verification reached is one outcome: accepted, or the one rejected."""
-        self.counts[ngram][0] += num_accepted
-        self.counts[ngram][1] += min(num_drafted, num_accepted + 1)
-
-
-def make_hardware_schedule(drafter: "DSparkForDrafting", target: PreTrainedModel, max_drafts: int, lookahead: bool = False):
-    """The schedule `dspark_schedule: "hardware"` asks for, or None (fixed-length drafting) without a confidence
-    head. Measures the verify profile on first use for this target, device, dtype and torch version. `lookahead`
-    (greedy decoding only) lets the schedule choose k after seeing the whole block's confidences."""
-    if drafter.confidence_head is None:
-        return None
-    profile = getattr(drafter, "dspark_verify_profile", None)  # injected (tests, benchmarks) or measured
-    if profile is None or profile.key != verify_profile_key(target):
-        profile = load_or_measure_verify_profile(target, max_drafts)
-    return DSparkHardwareAwareSchedule(profile, max_drafts, min_gain=_min_gain(drafter.generation_config), lookahead=lookahead)
-
-
-def _min_gain(drafting: GenerationConfig) -> float:
-    """`dspark_min_gain` of the drafter's generation_config (1.0 when unset): how many times a plain step's rate a
-    drafted round must promise."""
-    value = getattr(drafting, "dspark_min_gain", None)
-    if value is None:
-        return 1.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"dspark_min_gain={value!r} is not a positive number; use e.g. 1.1 (draft only when a round "
-                         "promises 10% more than a plain step) or unset it.")
-    return float(value)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# transformers integration: `target.generate(**inputs, assistant_model=drafter)` with no extra flags.
-
-
-@dataclass
-class DSparkGenerationStats:
-    """What happened in the last `generate` call: one entry per verify round."""
-
-    num_draft_tokens: int
-    drafted: list[int] = field(default_factory=list)  # drafts proposed per round
-    accepted: list[int] = field(default_factory=list)  # drafts accepted per round (bonus token not included)
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
-    confidence_predicted: float = 0.0  # Σ recalibrated c_n over drafts verification reached (hardware schedule)
-    confidence_observed: int = 0  # ... and how many of them were accepted
-    confidence_verified: int = 0  # ... of how many drafts
-    lookup_rounds: int = 0  # rounds whose drafts came from prompt lookup (included in drafted/accepted)
-    lookup_drafted: int = 0
-    lookup_accepted: int = 0
-
-    @property
-    def rounds(self) -> int:
-        return len(self.accepted)
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens committed per verify round, bonus included (τ measured live)."""
-        return 1.0 + sum(self.accepted) / max(self.rounds, 1)
-
-    def acceptance_cumulative(self) -> list[float]:
-        """P(drafts 1..k all accepted) over rounds that proposed at least k drafts."""
-        return [
-            sum(a >= k for a, d in zip(self.accepted, self.drafted) if d >= k) / max(sum(d >= k for d in self.drafted), 1)
-            for k in range(1, self.num_draft_tokens + 1)
-        ]
-
-    def acceptance_conditional(self) -> list[float]:
-        """P(draft k accepted | drafts 1..k-1 accepted), over rounds that proposed draft k."""
-        rates = []
-        for k in range(1, self.num_draft_tokens + 1):
-            reached = [a for a, d in zip(self.accepted, self.drafted) if d >= k and a >= k - 1]
-            rates.append(sum(a >= k for a in reached) / max(len(reached), 1))
-        return rates
-
-    def accepted_histogram(self) -> list[int]:
-        """Rounds by number of accepted drafts 0..N."""
-        return [sum(a == k for a in self.accepted) for k in range(self.num_draft_tokens + 1)]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "rounds": self.rounds,
-            "drafted_tokens": sum(self.drafted),
-            "accepted_tokens": sum(self.accepted),
-            "mean_accepted_length": self.mean_accepted_length,
-            "acceptance_cumulative": self.acceptance_cumulative(),
-            "acceptance_conditional": self.acceptance_conditional(),
-            "accepted_histogram": self.accepted_histogram(),
-            "draft_time_s": self.draft_time_s,
-            "verify_time_s": self.verify_time_s,
-            "confidence_predicted": self.confidence_predicted,
-            "confidence_observed": self.confidence_observed,
-            "confidence_verified": self.confidence_verified,
-            "lookup_rounds": self.lookup_rounds,
-            "lookup_drafted": self.lookup_drafted,
-            "lookup_accepted": self.lookup_accepted,
-        }
-
-
-def _stops_inside_a_round(stopping_criteria: StoppingCriteriaList | None) -> StoppingCriteriaList | None:
-    """The criteria a round must check draft by draft: transformers itself cuts rounds at max length and EOS."""
-    kept = [c for c in stopping_criteria or () if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
-    return StoppingCriteriaList(kept) if kept else None
-
-
-def _check_generation_limits(generation_config: GenerationConfig, batch_size: int | None = None):
-    """The limits of assisted generation, each as one clear error (transformers would silently beam-search)."""
-    if generation_config.num_beams > 1:
-        raise ValueError(
-            f"DSpark speculative decoding does not support beam search (num_beams={generation_config.num_beams}); use num_beams=1."
-        )
-    if generation_config.num_return_sequences > 1:
-        raise ValueError(
-            f"DSpark speculative decoding returns one sequence (num_return_sequences={generation_config.num_return_sequences}); "
-            "call generate repeatedly instead."
-        )
-    if batch_size is not None and batch_size != 1:
-        raise ValueError(f"DSpark speculative decoding supports batch size 1, got {batch_size}; call generate once per prompt.")
-
-
-def _decoding_key(target: PreTrainedModel, generation_config: GenerationConfig) -> tuple:
-    """What a draft's survival depends on besides the text: the target's dtype and the decoding settings."""
-    if not generation_config.do_sample:
-        return (str(target.dtype), "greedy")
-    return (str(target.dtype), "sample", generation_config.temperature, generation_config.top_k, generation_config.top_p)
-
-
-class DSparkCandidateGenerator(CandidateGenerator):
-    """Feeds the drafter the aux hidden states of committed positions from each verify pass and drafts one block.
-
-    Round 0 returns the prompt unchanged so the target's prefill yields the prompt's hidden states. Afterwards the
-    positions committed since the last round (the whole prompt on round 1; the previous anchor plus the accepted
-    drafts later) are appended to the drafter's context cache, and the newest target token is the anchor.
-    """
-
-    requires_model_outputs = True
-
-    def __init__(
-        self,
-        drafter: DSparkForDrafting,
-        target: PreTrainedModel,
-        input_ids: torch.LongTensor,
-        generation_config: GenerationConfig,
-        logits_processor: LogitsProcessorList | None = None,
-        model_kwargs: dict[str, Any] | None = None,
-        stopping_criteria: StoppingCriteriaList | None = None,
-    ):
-        _check_generation_limits(generation_config, batch_size=input_ids.shape[0])
-        check_target_compatibility(drafter.config, target)
-        if drafter.config.bind_target_embeddings and getattr(drafter, "_bound_target", None) != target.config.name_or_path:
-            drafter.bind_target(target)
-        self.drafter = drafter
-        self.aux_layer_ids = list(drafter.config.aux_hidden_state_layer_ids)
-        # Ask the verify pass for exactly the aux layers; a user asking for all hidden states gets them all.
-        wants_all = generation_config.output_hidden_states and generation_config.return_dict_in_generate
-        self.model_kwargs_overrides = {"output_hidden_states": True if wants_all else self.aux_layer_ids}
-        self.num_drafts = int(getattr(drafter.generation_config, "num_assistant_tokens", None) or drafter.num_draft_tokens)
-        self.schedule = self._make_schedule(target, do_sample=bool(generation_config.do_sample))
-        # Hardware-aware drafting: after rounds that draft nothing the drafter itself rests (back-off), and the aux
-        # rows of the rounds it skipped wait in `_pending_aux` until it runs again.
-        self.backoff = DSparkDrafterBackoff() if isinstance(self.schedule, DSparkHardwareAwareSchedule) else None
-        self._pending_aux: list[torch.Tensor] = []
-        self.bias_key = _decoding_key(target, generation_config)
-        self._resume_confidence_bias()
-        self.lookup = self._make_lookup()
-        self._lookup_ngram = 0  # n-gram size matched when this round's drafts came from prompt lookup, else 0
-        self.do_sample = bool(generation_config.do_sample)
-        self.logits_processor = logits_processor if logits_processor else None
-        self.stopping_criteria = _stops_inside_a_round(stopping_criteria)
-        self.generation_config = generation_config  # the one `_assisted_decoding` reads each round
-        self.max_length = generation_config.max_length
-        self.cache = DSparkContextCache()
-        self.stats = DSparkGenerationStats(num_draft_tokens=drafter.num_draft_tokens)
-        drafter.last_generation_stats = self.stats
-        self._last_drafted = 0
-        self._verify_started = None
-        self._prefilled = False
-
-    def _make_schedule(self, target: PreTrainedModel, do_sample: bool) -> DSparkDraftSchedule:
-        """The draft schedule the drafter's generation_config asks for: `dspark_confidence_threshold` /
-        `dspark_verify_cost` when set; else `dspark_schedule: "hardware"` (verify-cost profiled); else fixed length."""
-        drafting = self.drafter.generation_config
-        threshold = getattr(drafting, "dspark_confidence_threshold", None)
-        verify_cost = getattr(drafting, "dspark_verify_cost", None)
-        mode = getattr(drafting, "dspark_schedule", None)
-        if mode not in (None, "fixed", "hardware"):
-            raise ValueError(f"dspark_schedule={mode!r} is not a DSpark schedule; use \"hardware\" or \"fixed\".")
-        if (threshold is not None or verify_cost is not None) and self.drafter.confidence_head is None:
-            raise ValueError(
-                "confidence-scheduled drafting needs a confidence head; set enable_confidence_head or unset "
-                "dspark_confidence_threshold / dspark_verify_cost on the drafter's generation_config."
-            )
-        if mode == "hardware" and threshold is None and verify_cost is None and self.drafter.confidence_head is not None:
-            # greedy verification is exact for any proposal, so the schedule may choose k after seeing the block
-            lookahead = not do_sample and getattr(drafting, "dspark_lookahead", True) is not False
-            return make_hardware_schedule(self.drafter, target, self.num_drafts, lookahead)
-        return draft_schedule(threshold, verify_cost)
-
-    def _make_lookup(self) -> DSparkPromptLookup | None:
-        """Prompt-lookup drafts (`dspark_lookup_ngram_size`: the longest n-gram matched; 0 or unset: off). The hardware
-        schedule prices them against the drafter's, so they need it; what they learned carries over between calls of
-        the same decoding settings, like the confidence bias."""
-        size = getattr(self.drafter.generation_config, "dspark_lookup_ngram_size", None)
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
-            raise ValueError(f"dspark_lookup_ngram_size={size!r} is not an n-gram size; use e.g. 3, or 0 to turn prompt lookup off.")
-        if not size or not isinstance(self.schedule, DSparkHardwareAwareSchedule):
-            return None
-        lookup = DSparkPromptLookup(size, self.num_drafts)
-        lookup.counts = self.drafter.dspark_lookup_counts.setdefault(self.bias_key, lookup.counts)
-        return lookup
-
-    def _resume_confidence_bias(self):
-        """The hardware schedule's online confidence bias carries over between generate calls with the same decoding
-        settings (see `DSparkHardwareAwareSchedule`): each call starts from what the previous ones learned."""
-        if isinstance(self.schedule, DSparkHardwareAwareSchedule):
-            self.schedule.bias = self.drafter.dspark_confidence_bias.get(self.bias_key, 0.0)
-
-    def _commit_context(self, input_ids: torch.LongTensor, model_outputs: ModelOutput | None) -> bool:
-        """Append every position before the anchor that the drafter has not seen yet (aux states of the last verify).
-
-        Returns False, keeping the rows for later, when the back-off rests the drafter this round (a plain step)."""
-        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
-            raise ValueError("DSpark drafting needs the target's hidden states from the verify pass; none were returned.")
-        waiting = sum(rows.shape[1] for rows in self._pending_aux)
-        num_new = input_ids.shape[1] - 1 - self.cache.get_seq_length() - waiting
-        aux = torch.cat([model_outputs.hidden_states[i][:, :num_new] for i in self.aux_layer_ids], dim=-1)
-        if self.backoff is not None and self.backoff.should_skip():
-            self._pending_aux.append(aux)
-            return False
-        if self._pending_aux:  # extend lazily, in one call, with the rounds the drafter skipped
-            aux, self._pending_aux = torch.cat(self._pending_aux + [aux], dim=1), []
-        self.drafter.extend_context(self.cache, aux.to(self.drafter.fc.weight.device))
-        return True
-
-    def _cut_at_stop(self, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> torch.LongTensor:
-        """Drafts up to the first on which a stopping criterion fires, and a round that ends on it if it is accepted.
-
-        Whether draft n is proposed depends only on the tokens before it (lossless, as for EOS). transformers commits
-        the accepted drafts plus a bonus token, cropped to `generation_config.max_length`, which it reads each round:
-        lowering it for this round keeps the bonus from stepping past the stop (restored in
-        `update_candidate_strategy`).
-        """
-        if self.stopping_criteria is None:
-            return tokens
-        for n in range(tokens.shape[1]):
-            if bool(self.stopping_criteria(torch.cat([input_ids, tokens[:, : n + 1]], dim=-1), None).any()):
-                self.generation_config.max_length = input_ids.shape[1] + n + 1
-                return tokens[:, : n + 1]
-        return tokens
-
-    def _draft(self, input_ids: torch.LongTensor, budget: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        """Candidates (the sequence plus up to `budget` drafts) and, when sampling, the q they were drawn from."""
-        device = self.drafter.fc.weight.device
-        if isinstance(self.schedule, DSparkHardwareAwareSchedule):
-            self.schedule.context_length = input_ids.shape[1]
-        draft = self.drafter.draft_block(
-            self.cache,
-            input_ids[0, -1].to(device),
-            num_drafts=budget,
-            do_sample=self.do_sample,
-            logits_processor=self.logits_processor,
-            input_ids=input_ids.to(device),
-            schedule=self.schedule,
-        )
-        tokens = self._cut_at_stop(input_ids, draft.token_ids.to(input_ids.device))
-        self._last_drafted = tokens.shape[1]
-        candidates = torch.cat([input_ids, tokens], dim=-1)
-        return candidates, draft.target_logits[:, : tokens.shape[1]] if self.do_sample and self._last_drafted else None
-
-    def _observe_round(self, drafter_ran: bool, first_round: bool, seconds: float):
-        """Feed the back-off and the hardware schedule's running draft time (the first round's prompt-sized context
-        extension is no measure of a round)."""
-        if self.backoff is None or not drafter_ran:
-            return
-        self.backoff.record(self._last_drafted)
-        if not first_round:
-            self.schedule.observe_draft_time(seconds)
-
-    def _prefer_lookup(self, input_ids, budget: int, drafter_ran: bool, candidates, candidate_logits):
-        """Prompt-lookup drafts instead of the drafter's when they promise more tokens per second (both priced by the
-        hardware schedule; the drafter's time this round is spent either way). When sampling their q is one-hot, so
-        speculative sampling accepts a lookup draft x with probability p(x): still lossless."""
-        tokens, ngram = self.lookup.propose(input_ids, budget)
-        if not ngram:
-            return candidates, candidate_logits
-        self.schedule.context_length = input_ids.shape[1]
-        k, rate = self.schedule.best_plan(self.lookup.survivals(ngram, tokens.shape[0]), drafter_ran)
-        own = self.schedule.best_plan(self.schedule.admitted_survivals()[: self._last_drafted] if drafter_ran else [], drafter_ran)
-        if k == 0 or rate <= own[1]:
-            return candidates, candidate_logits
-        self.generation_config.max_length = self.max_length  # undo a stop cut of the drafter's block
-        tokens = self._cut_at_stop(input_ids, tokens[None, :k].to(input_ids.device))
-        self._last_drafted, self._lookup_ngram = tokens.shape[1], ngram
-        if not self.do_sample or not self._last_drafted:
-            return torch.cat([input_ids, tokens], dim=-1), None
-        one_hot = torch.full((1, tokens.shape[1], self.drafter.config.vocab_size), -math.inf, device=input_ids.device)
-        return torch.cat([input_ids, tokens], dim=-1), one_hot.scatter_(-1, tokens[..., None], 0.0)
-
-    def get_candidates(
-        self,
-        input_ids: torch.LongTensor,
-        model_kwargs: dict[str, Any] | None = None,
-        model_outputs: ModelOutput | None = None,
-        is_first_iteration: bool = False,
-        n_last_matches: int = 0,
-        **kwargs,
-    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        start = time.perf_counter()
-        self._last_drafted = 0
-        if is_first_iteration:
-            self._verify_started = time.perf_counter()
-            return input_ids, None
-        first_round = self.cache.get_seq_length() == 0
-        candidates, candidate_logits = input_ids, None
-        self._lookup_ngram = 0
-        drafter_runs = self._commit_context(input_ids, model_outputs)
-        budget = min(self.num_drafts, self.max_length - input_ids.shape[1] - 1)
-        if drafter_runs and budget > 0:
-            candidates, candidate_logits = self._draft(input_ids, budget)
-        self._observe_round(drafter_runs and budget > 0, first_round, time.perf_counter() - start)
-        if self.lookup is not None and budget > 0:
-            candidates, candidate_logits = self._prefer_lookup(input_ids, budget, drafter_runs, candidates, candidate_logits)
-        self.stats.draft_time_s += time.perf_counter() - start
-        self._verify_started = time.perf_counter()
-        return candidates, candidate_logits
-
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        self.generation_config.max_length = self.max_length  # undo a stop's round cut (see `_cut_at_stop`)
-        if self._verify_started is not None:
-            elapsed = time.perf_counter() - self._verify_started
-            self.stats.verify_time_s += elapsed
-            if isinstance(self.schedule, DSparkHardwareAwareSchedule) and self._prefilled:
-                self.schedule.observe_verify_time(self._last_drafted, input_ids.shape[1], elapsed)
-        if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
-            self.stats.drafted.append(self._last_drafted)
-            self.stats.accepted.append(int(num_matches))
-            if self._lookup_ngram:
-                self._learn_lookup(int(num_matches))
-            else:
-                self._learn_confidence_bias(int(num_matches))
-        self._prefilled = True
-
-    def _learn_lookup(self, num_accepted: int):
-        self.lookup.observe(self._lookup_ngram, self._last_drafted, num_accepted)
-        self.stats.lookup_rounds += 1
-        self.stats.lookup_drafted += self._last_drafted
-        self.stats.lookup_accepted += min(num_accepted, self._last_drafted)
-
-    def _learn_confidence_bias(self, num_accepted: int):
-        """Feed this round's verified drafts to the schedule's online bias, count them in the stats, and keep the
-        bias on the drafter for the next call (see `_resume_confidence_bias`)."""
-        if not isinstance(self.schedule, DSparkHardwareAwareSchedule) or not self._last_drafted:
-            return
-        predicted, observed, verified = self.schedule.observe_outcome(self._last_drafted, num_accepted)
-        self.stats.confidence_predicted += predicted
-        self.stats.confidence_observed += observed
-        self.stats.confidence_verified += verified
-        self.drafter.dspark_confidence_bias[self.bias_key] = self.schedule.bias
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Routing hook: installed once per process, whichever copy of this file (library or a checkpoint's remote code) is
-# imported first; each wrapper dispatches on the assistant's own factory, so the assistant's copy builds its generator.
-
-# The namespaced method the hooks look for on an assistant model (DSparkForDrafting defines it), and the attribute
-# through which one generate call hands its stopping criteria to that factory.
-DSPARK_FACTORY_ATTRIBUTE = "_dspark_candidate_generator_factory"
-DSPARK_STOPPING_ATTRIBUTE = "_dspark_stopping_criteria"
-
-
-def _route_candidate_generator(original: Callable) -> Callable:
-    """DSpark assistants get their own generator; small-LM assistants, prompt lookup and `speculation_type="dflash"`
-    take transformers' path untouched."""
-
-    @functools.wraps(original)
-    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
-        factory = getattr(assistant_model, DSPARK_FACTORY_ATTRIBUTE, None)
-        if (
-            factory is not None
-            and generation_config.speculation_type != "dflash"
-            and generation_config.prompt_lookup_num_tokens is None
-            and generation_config.assistant_early_exit is None
-        ):
-            return factory(self, generation_config, input_ids, logits_processor, model_kwargs)  # bound to the assistant
-        return original(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                        assistant_model=assistant_model, target_tokenizer=target_tokenizer,
-                        assistant_tokenizer=assistant_tokenizer)
-
-    return _get_candidate_generator
-
-
-def _guard_generation_mode(original: Callable) -> Callable:
-    """Our one-line errors come first: the modes a drafter cannot serve (transformers would silently ignore beam
-    search) and a target it does not fit (transformers would advise passing tokenizers for another vocabulary)."""
-
-    @functools.wraps(original)
-    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        assistant_model = generation_mode_kwargs.get("assistant_model")
-        if getattr(assistant_model, DSPARK_FACTORY_ATTRIBUTE, None) is not None:
-            _check_generation_limits(generation_config)
-            check_target_compatibility(assistant_model.config, self)
-        return original(self, generation_mode, generation_config, generation_mode_kwargs)
-
-    return _validate_generation_mode
-
-
-def _share_stopping_criteria(original: Callable) -> Callable:
-    """Hand the stopping criteria generate() built to a DSpark assistant for this call (`_get_candidate_generator`
-    does not receive them), so that drafts never run past a stop string or a custom criterion."""
-
-    @functools.wraps(original)
-    def _assisted_decoding(self, *args, **kwargs):
-        assistant_model = kwargs.get("assistant_model")
-        if getattr(assistant_model, DSPARK_FACTORY_ATTRIBUTE, None) is None:
-            return original(self, *args, **kwargs)
-        setattr(assistant_model, DSPARK_STOPPING_ATTRIBUTE, kwargs.get("stopping_criteria"))
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            setattr(assistant_model, DSPARK_STOPPING_ATTRIBUTE, None)
-
-    return _assisted_decoding
-
-
-DSPARK_HOOKS = {
-    "_get_candidate_generator": _route_candidate_generator,
-    "_validate_generation_mode": _guard_generation_mode,
-    "_assisted_decoding": _share_stopping_criteria,
-}
-
-
-def install_dspark_routing():
-    """Wrap each `GenerationMixin` method in DSPARK_HOOKS once, so DSpark assistants get their own generator.
-
-    Idempotent across every copy of this module: each wrapper is marked, and a method already wrapped (by this or
-    another copy) is left alone.
-    """
-    for name, wrap in DSPARK_HOOKS.items():
-        original = getattr(GenerationMixin, name)
-        if not getattr(original, "_dspark_routing", False):
-            wrapper = wrap(original)
-            wrapper._dspark_routing = True
-            setattr(GenerationMixin, name, wrapper)
+    def last_generation_stats(self) -> DSparkGenerationStats | None:
+        """What the last `generate` call with this drafter did (rounds, drafts, acceptance, times)."""
+        return self.drafting_state.last_stats
 
 
 install_dspark_routing()
 
-# `save_pretrained`/`push_to_hub` write `auto_map` and copy both remote-code files next to the weights.
+# `save_pretrained`/`push_to_hub` write `auto_map` and copy the remote-code files next to the weights (every file
+# imported from these two, transitively).
 DSparkConfig.register_for_auto_class()
 DSparkForDrafting.register_for_auto_class("AutoModel")
 
 
 __all__ = [
-    "DSparkCandidateGenerator",
     "DSparkContextCache",
     "DSparkDraftOutput",
-    "DSparkDraftSchedule",
     "DSparkForDrafting",
-    "DSparkDrafterBackoff",
-    "DSparkGenerationStats",
-    "DSparkHardwareAwareSchedule",
     "DSparkPreTrainedModel",
-    "DSparkThresholdSchedule",
+    "DSparkTokenChooser",
     "DSparkTrainingOutput",
-    "DSparkVerifyCostSchedule",
-    "draft_schedule",
-    "DSparkVerifyProfile",
+    "check_checkpoint_shapes",
     "expected_tensor_shapes",
-    "install_dspark_routing",
-    "load_or_measure_verify_profile",
-    "measure_verify_profile",
+    "sample_from",
 ]

@@ -1,4 +1,4 @@
-"""Cache capture cost and size, measured side by side on the real target (DESIGN §8: overhead ≤ 1.2×, bf16 floor;
+"""Cache capture cost and size, measured side by side on the real target (docs/design.md §8: overhead ≤ 1.2×, bf16 floor;
 issue 12: fp8 with per-row scales ≤ 0.52× the bf16 floor, capture overhead unchanged).
 
 Overhead = wall time of `build_cache` (tokenize, capture, write, hash, manifest) / wall time of a bare target

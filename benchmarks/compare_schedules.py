@@ -25,8 +25,10 @@ import torch
 from transformers import AutoModel
 
 from dspark_hf.assets import load_smollm2
-from dspark_hf.evaluation import domain_prompts, encode_prompt, load_drafter, timed_generation
+from dspark_hf.evaluation import load_drafter
+from dspark_hf.prompts import domain_prompts, encode_prompt
 from dspark_hf.reporting import machine_description
+from dspark_hf.timing import timed_generation
 
 DOMAINS = ["chitchat", "wordnet-nouns", "stdlib-explain", "chitchat-long:test:6", "humaneval:all"]
 

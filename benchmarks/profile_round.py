@@ -30,9 +30,11 @@ from collections import defaultdict
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from dspark_hf.evaluation import encode_prompt, held_out_prompts, load_drafter, timed_generate
+from dspark_hf.evaluation import load_drafter
+from dspark_hf.prompts import encode_prompt, held_out_prompts
 from dspark_hf.reporting import machine_description
-from dspark_hf.remote_code import modeling_dspark
+from dspark_hf.remote_code import generation_dspark, profiling_dspark, routing_dspark, scheduling_dspark
+from dspark_hf.timing import timed_generate
 
 STAGES = ["verify", "hand-off", "context", "parallel", "markov", "transformers"]
 
@@ -76,7 +78,7 @@ def round_breakdown(target, drafter, encoded, max_new_tokens: int, do_sample: bo
 
     hooks = [target.register_forward_pre_hook(before, with_kwargs=True),
              target.register_forward_hook(after, with_kwargs=True)]
-    generator_class = modeling_dspark.DSparkCandidateGenerator
+    generator_class = generation_dspark.DSparkCandidateGenerator
     original_get = timers.wrap(generator_class, "get_candidates", "get_candidates")
     originals = {name: timers.wrap(drafter, name, stage) for name, stage in
                  [("extend_context", "context"), ("block_rows", "parallel"), ("draft_block", "draft_block")]}
@@ -118,12 +120,12 @@ class NoCandidates(CandidateGenerator):
 
 def k0_costs(target, drafter, encoded, max_new_tokens: int, repetitions: int) -> dict:
     drafter.generation_config.dspark_schedule = "hardware"
-    never = modeling_dspark.DSparkVerifyProfile(  # t(k) = (1 + 9k)·t(0): drafting can never pay
-        key=modeling_dspark.verify_profile_key(target), context_lengths=[16, 4096],
+    never = profiling_dspark.DSparkVerifyProfile(  # t(k) = (1 + 9k)·t(0): drafting can never pay
+        key=profiling_dspark.verify_profile_key(target), context_lengths=[16, 4096],
         verify_time_s=[[1.0 + 9.0 * k for k in range(8)]] * 2, spread_s=[[0.0] * 8] * 2)
-    drafter.dspark_verify_profile = never
+    drafter.drafting_state.verify_profile = never
     no_candidates = NoCandidates()
-    marker = type("NoDrafter", (), {modeling_dspark.DSPARK_FACTORY_ATTRIBUTE: lambda *a: no_candidates})()
+    marker = type("NoDrafter", (), {routing_dspark.DSPARK_FACTORY_ATTRIBUTE: lambda *a: no_candidates})()
     marker.config = drafter.config  # checked against the target like any DSpark drafter (vocabulary, sizes)
     methods = {
         "plain": {},
@@ -132,7 +134,7 @@ def k0_costs(target, drafter, encoded, max_new_tokens: int, repetitions: int) ->
         "k=0 schedule, no back-off": {"assistant_model": drafter, "_no_backoff": True},
     }
     per_token = defaultdict(list)
-    original_backoff = modeling_dspark.DSparkDrafterBackoff.should_skip
+    original_backoff = scheduling_dspark.DSparkDrafterBackoff.should_skip
     for rep in range(repetitions + 1):  # repetition 0 warms up
         names = list(methods)
         names = names[rep % len(names):] + names[: rep % len(names)]
@@ -140,12 +142,12 @@ def k0_costs(target, drafter, encoded, max_new_tokens: int, repetitions: int) ->
             for name in names:
                 kwargs = dict(methods[name])
                 if kwargs.pop("_no_backoff", False):
-                    modeling_dspark.DSparkDrafterBackoff.should_skip = lambda self: False
+                    scheduling_dspark.DSparkDrafterBackoff.should_skip = lambda self: False
                 start, start_cpu = time.perf_counter(), time.process_time()
                 out = target.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                                       do_sample=False, pad_token_id=target.generation_config.eos_token_id, **kwargs)
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
-                modeling_dspark.DSparkDrafterBackoff.should_skip = original_backoff
+                scheduling_dspark.DSparkDrafterBackoff.should_skip = original_backoff
                 if rep:
                     new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
                     per_token[name].append((elapsed / new_tokens, cpu / new_tokens))

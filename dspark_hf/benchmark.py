@@ -1,4 +1,4 @@
-"""`dspark-hf bench`: tokens/s of DSpark against plain `generate` and the other speculative baselines (DESIGN §7–§8).
+"""`dspark-hf bench`: tokens/s of DSpark against plain `generate` and the other speculative baselines (docs/design.md §7–§8).
 
 One process, one target, the same held-out chat prompts (test split) for every method, repetitions interleaved
 (rep → prompt → method, the method order rotated each repetition) so a noisy shared machine slows every method
@@ -39,10 +39,11 @@ from typing import Any
 import torch
 
 from . import DSparkContextCache
-from .data import load_target, resolve_target
-from .evaluation import (domain_prompts, drafter_name, encode_prompt, live_acceptance, load_drafter, merge_generation_stats,
-                         plot_domain_acceptance, timed_generate, timed_generation)
+from .evaluation import drafter_name, live_acceptance_over_calls, live_curve, load_drafter, plot_acceptance
+from .prompts import domain_prompts, encode_prompt, long_context
 from .reporting import emit_report, machine_description, set_threads
+from .targets import add_target_argument, load_target, resolve_target
+from .timing import timed_generate, timed_generation
 
 ALL_METHODS = ["plain", "plain-reseeded", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark", "dspark-conf"]
 RESEEDED_SEED_OFFSET = 500_000  # plain-reseeded samples with seeds no other method uses
@@ -170,7 +171,7 @@ def summarize_runs(runs: dict[str, dict[str, Any]], do_sample: bool) -> dict[str
         rows[m] = {"tokens_per_s": statistics.median(rates), "all_tokens_per_s": rates,
                    "decode_tokens_per_s": statistics.median(decode_rates), "all_decode_tokens_per_s": decode_rates}
         if run["stats"]:
-            rows[m].update(live_acceptance(merge_generation_stats(run["stats"])))
+            rows[m].update(live_acceptance_over_calls(run["stats"]))
     for m, row in rows.items():
         if "plain" in rows:
             row["speedup_vs_plain"] = row["tokens_per_s"] / rows["plain"]["tokens_per_s"]
@@ -207,7 +208,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         report["domains"][spec] = {"prompts": len(encoded), "modes": modes}
     for name, key in (("dspark", "dspark"), ("dspark-fixed", "dspark"), ("dflash", "dflash")):  # one per drafter
         if name in models and f"{key}_overhead" not in report:
-            context = _long_context(tokenizer, [first_prompt], args.overhead_context) if args.overhead_context else first_prompt
+            context = long_context([first_prompt], args.overhead_context) if args.overhead_context else first_prompt
             report[f"{key}_overhead"] = drafter_overhead(target, models[name], context)
     if args.plots and "dspark" in methods:
         Path(args.plots).mkdir(parents=True, exist_ok=True)
@@ -215,10 +216,14 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def _long_context(tokenizer, encoded, length: int) -> dict[str, torch.Tensor]:
-    ids = torch.cat([e["input_ids"] for e in encoded] * (1 + length // sum(e["input_ids"].shape[1] for e in encoded)), dim=1)
-    ids = ids[:, :length]
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+def plot_domain_acceptance(path, report: dict[str, Any], method: str = "dspark") -> str:
+    """The live acceptance of `method`, one curve per domain and mode of the report."""
+    curves = {}
+    for domain, result in report["domains"].items():
+        for mode, rows in result["modes"].items():
+            if "acceptance_conditional" in rows.get(method, {}):
+                curves[f"{Path(domain).name}, {mode}"] = live_curve(rows[method])
+    return plot_acceptance(path, curves, f"{report['drafter']}, live acceptance ({report['dtype']})")
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -275,8 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="DSpark drafter directory (e.g. examples/smollm2-dspark)")
     parser.add_argument("--dflash", default=None,
                         help="DFlash-only baseline drafter directory (e.g. examples/smollm2-dflash); the dflash method runs only when given")
-    parser.add_argument("--target", default=None,
-                        help="target path, Hub id or .gguf file (default: the one the drafter records, verifier_name_or_path)")
+    add_target_argument(parser, from_drafter=True)
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=ALL_METHODS,
                         help="dspark = the drafter's shipped generation config (its schedule); dspark-fixed = whole "
                         "blocks; dspark-conf = survival threshold (default: all but dspark-conf)")
@@ -314,4 +318,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["ALL_METHODS", "benchmark", "drafter_overhead", "format_report", "summary_table", "truncated_assistant"]
+__all__ = ["ALL_METHODS", "benchmark", "drafter_overhead", "format_report", "plot_domain_acceptance", "summary_table",
+           "truncated_assistant"]

@@ -52,9 +52,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .data import (add_placement_arguments, check_dataset, load_conversations, load_target, load_target_heads,
-                   placement_from_args, select_conversations, tokenize_conversations)
-from .target_weights import input_device
+from .data import add_dataset_arguments, load_selected_conversations, tokenize_conversations
+from .targets import (add_placement_arguments, add_target_argument, input_device, load_target, load_target_heads,
+                      placement_from_args)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -97,7 +97,7 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
 
 def target_revision(model) -> str:
     """Hub commit hash if known, else sha256 of the input embedding and LM head (see module docstring): the two tables
-    every target has, which `data.load_target_heads` reads without loading the model."""
+    every target has, which `targets.load_target_heads` reads without loading the model."""
     commit = getattr(model.config, "_commit_hash", None)
     if commit:
         return str(commit)
@@ -666,8 +666,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "concatenated aux hidden states and the final post-norm hidden state as sharded safetensors plus a "
         "manifest. Rerunning the same command resumes an interrupted cache."
     )
-    parser.add_argument("--target", required=True, help="target model path or Hub id; `smollm2` = the offline SmolLM2-135M-Instruct")
-    parser.add_argument("--dataset", required=True, help="JSONL (OpenAI messages or ShareGPT), or `chitchat` / `chatterbot`")
+    add_target_argument(parser, required=True)
+    add_dataset_arguments(parser, "cache")
     parser.add_argument("--output", required=True, help="cache directory (created; an existing partial cache is resumed)")
     parser.add_argument(
         "--aux-layers",
@@ -677,9 +677,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "spacing: [1, 29, 57] of 61 layers, [1, 10, 20] of 24). Change them to match a drafter you warm-start from "
         "(its aux_hidden_state_layer_ids) or to try other depths; each extra layer adds tokens × d to the cache",
     )
-    parser.add_argument("--split", default="all", choices=["train", "validation", "test", "all"],
-                        help="hash split to cache (default: all; a regenerated file is already split)")
-    parser.add_argument("--limit", type=int, default=None, help="cache only the first N conversations of the split")
     parser.add_argument("--dtype", default="bfloat16", choices=list(CACHE_DTYPES),
                         help="storage dtype of hidden states (default: bfloat16); float8_e4m3fn stores fp8 with one "
                         "float32 scale per token and layer, about half the bytes, dequantised when read")
@@ -694,9 +691,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    conversations = load_conversations(args.dataset)
-    check_dataset(conversations, str(args.dataset))
-    conversations = select_conversations(conversations, args.dataset, args.split, args.limit)
+    conversations = load_selected_conversations(args.dataset, args.split, args.limit)
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     # `accelerate launch` with n processes: shard k is captured by process k % n; a plain run is one process
     state = PartialState(cpu=args.device == "cpu" or parse_flag_from_env("ACCELERATE_USE_CPU"))

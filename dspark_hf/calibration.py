@@ -1,4 +1,4 @@
-"""`dspark-hf calibrate`: Sequential Temperature Scaling (STS) of the confidence head (DESIGN §2).
+"""`dspark-hf calibrate`: Sequential Temperature Scaling (STS) of the confidence head (docs/design.md §2).
 
 The confidence head predicts c_k = P(draft k accepted | drafts 1..k-1 accepted); scheduling uses the prefix survival
 a_k = Π_{i≤k} c_i, so errors compound along the block. STS fixes that in order: for k = 1..N, with T_1..T_{k-1}
@@ -25,9 +25,9 @@ import torch
 
 from . import DSparkForDrafting
 from .cache import HiddenStateCache
-from .data import load_target_heads, resolve_target
 from .metrics import brier_score, expected_calibration_error, log_loss, roc_auc
 from .rollouts import Rollouts, collect_rollouts
+from .targets import add_target_argument, load_target_heads, resolve_target
 
 DEFAULT_GRID = [0.25 * 16 ** (i / 48) for i in range(49)]  # 0.25 .. 4, geometric
 SCORES = {"nll": log_loss, "brier": brier_score}
@@ -131,8 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", required=True, help="held-out hidden-state cache to fit the temperatures on")
     parser.add_argument("--eval-cache", help="a second held-out cache to report ECE/AUC on (default: the fitting one)")
     parser.add_argument("--output-dir", help="write the calibrated checkpoint here (default: update --model in place)")
-    parser.add_argument("--target", help="target path, Hub id or .gguf file whose embedding and LM head the drafter "
-                        "binds (default: the one the drafter records, verifier_name_or_path)")
+    add_target_argument(parser, from_drafter=True)  # the model whose embedding and LM head the drafter binds
     parser.add_argument("--max-anchors", type=int, default=256, help="blocks per sample")
     parser.add_argument("--draws", type=int, default=8, help="sampled acceptance draws per block")
     parser.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,4 @@
-"""Real prompt corpora that install offline, one per kind of text a drafter meets (DESIGN §8: per domain).
+"""Real prompt corpora that install offline, one per kind of text a drafter meets (docs/design.md §8: per domain).
 
 A drafter trained on one kind of text is fast only there, so the default drafter learns from several domains and is
 measured on each. Every loader returns normalized conversations (`{"id", "messages"}`, see `dspark_hf.data`) whose

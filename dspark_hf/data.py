@@ -256,143 +256,22 @@ def tokenize_conversations(
     return [tokenize_conversation(tokenizer, c["messages"], max_length) for c in conversations]
 
 
-# ------------------------------------------------------------------------------------------------------ targets
-SMOLLM2_ALIASES = ("smollm2", "huggingfacetb/smollm2-135m-instruct")
+# ------------------------------------------------------------------------------------------------ the command line
+def add_dataset_arguments(parser, stage: str, flags: tuple[str, ...] = ("--dataset",)) -> None:
+    """`--dataset`, `--split` and `--limit`: which conversations a stage that reads a chat dataset (`cache`,
+    `regenerate`) reads, defined once so both read and select them alike (`load_selected_conversations`)."""
+    parser.add_argument(*flags, dest="dataset", required=True,
+                        help="JSONL (OpenAI messages or ShareGPT), or `chitchat` / `chatterbot`")
+    parser.add_argument("--split", default="all", choices=[*SPLITS, "all"],
+                        help=f"hash split to {stage} (default: all; a regenerated file is already split)")
+    parser.add_argument("--limit", type=int, default=None, help=f"{stage} only the first N conversations of the split")
 
 
-def resolve_target(target: str | None, drafter_dir: str | os.PathLike) -> str:
-    """The target a drafter was trained for: `target` when given, else the verifier its config records (written by
-    `dspark-hf train` from `--target`), so `eval`/`bench` never load a model the drafter does not fit."""
-    if target:
-        return target
-    config = Path(drafter_dir) / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"drafter {drafter_dir} has no config.json; pass --model a drafter directory (e.g. the output of `dspark-hf train`)")
-    recorded = json.loads(config.read_text()).get("verifier_name_or_path")
-    if not recorded:
-        raise ValueError(f"drafter {drafter_dir} does not record its target (no verifier_name_or_path in config.json); pass --target")
-    return str(recorded)
-
-
-def _target_location(name_or_path: str) -> str:
-    """A local directory, a dense copy of a `.gguf` file, or a Hub id that is cached (or reachable); else one clear
-    error instead of transformers' connection traceback or "Repo id must be in the form ..."."""
-    from huggingface_hub import is_offline_mode, model_info, try_to_load_from_cache
-    from huggingface_hub.utils import validate_repo_id
-
-    path = Path(name_or_path).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"target GGUF file {name_or_path} does not exist; pass an existing .gguf file")
-        from .assets import dense_copy_of_gguf
-
-        return str(dense_copy_of_gguf(path))
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"target {name_or_path} is a directory without config.json; pass a model directory saved with save_pretrained, a .gguf file or a Hub id")
-        return str(path)
-    try:
-        validate_repo_id(name_or_path)
-    except ValueError:
-        raise FileNotFoundError(f"target {name_or_path} does not exist; pass a model directory, a .gguf file, a Hub id (org/name) or `smollm2`") from None
-    if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
-        return name_or_path
-    hint = f"download it first (`hf download {name_or_path}`) or pass a local model directory or .gguf file"
-    if is_offline_mode():
-        raise FileNotFoundError(f"target {name_or_path} is neither a local directory nor in the Hugging Face cache (HF_HUB_OFFLINE is set); {hint}")
-    try:
-        model_info(name_or_path)  # one request, no retry storm
-    except Exception as error:  # not found, gated, or no network: all end the same way for the user
-        raise FileNotFoundError(f"target {name_or_path} is not a local directory, not in the Hugging Face cache and not reachable on the Hub ({type(error).__name__}); {hint}") from None
-    return name_or_path
-
-
-def _load_model(location: str, name: str | None, dtype: str, device: str, placement: dict):
-    from transformers import AutoModelForCausalLM
-
-    if placement.get("device_map") is None:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, dtype)).to(device)
-    else:  # Accelerate big-model loading: layers spread over the devices (and disk) of the plan
-        from .target_weights import plan_device_map
-
-        device_map = plan_device_map(location, getattr(torch, dtype), **placement)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, dtype), device_map=device_map,
-                                                     max_memory=placement.get("max_memory"),
-                                                     offload_folder=placement.get("offload_folder"))
-    model.eval()
-    if name:  # record the file or name the user gave, not the cache's dense copy
-        model.name_or_path = name
-    return model
-
-
-def _location_and_name(name_or_path: str) -> tuple[str, str | None]:
-    """Where the weights are, and the name a loaded model carries (and a drafter records as its verifier): the Hub
-    name for `smollm2`, the absolute path for a local directory or `.gguf` file (so a drafter trained with a
-    relative --target finds it from any directory), None for a Hub id (it keeps its own name)."""
-    if name_or_path.lower() in SMOLLM2_ALIASES:
-        from .assets import SMOLLM2_NAME, smollm2_path
-
-        return str(smollm2_path()), SMOLLM2_NAME
-    location = _target_location(name_or_path)
-    path = Path(name_or_path).expanduser()
-    if name_or_path.endswith(".gguf"):
-        return location, str(path.resolve())
-    return location, os.path.abspath(path) if path.is_dir() else None
-
-
-def load_target_model(name_or_path: str, dtype: str = "float32", device: str = "cpu", device_map: str | dict | None = None,
-                      max_memory: dict | None = None, offload_folder: str | None = None):
-    """The target model alone (eval mode): `smollm2` is the offline SmolLM2-135M-Instruct of ASSETS.md; a `.gguf`
-    file is dequantized once into a cached dense copy (`assets.dense_copy_of_gguf`). With `device_map` (e.g.
-    "auto") it is spread over the devices by Accelerate within `max_memory` (`target_weights.plan_device_map`)."""
-    placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
-    return _load_model(*_location_and_name(name_or_path), dtype, device, placement)
-
-
-def load_target(name_or_path: str, dtype: str = "float32", device: str = "cpu", device_map: str | dict | None = None,
-                max_memory: dict | None = None, offload_folder: str | None = None):
-    """(model, tokenizer) for a target, resolved and placed as `load_target_model` does."""
-    from transformers import AutoTokenizer
-
-    location, name = _location_and_name(name_or_path)
-    placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
-    return _load_model(location, name, dtype, device, placement), AutoTokenizer.from_pretrained(location)
-
-
-def load_target_tokenizer(name_or_path: str):
-    """The target's tokenizer alone (e.g. to bound prompts sent to a server that holds the model)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(_location_and_name(name_or_path)[0])
-
-
-def load_target_heads(name_or_path: str):
-    """The target's input embedding and LM head (fp32) and its config, read from its safetensors shards without
-    loading the model (`target_weights.read_target_heads`); a target without safetensors is loaded whole."""
-    from .target_weights import read_target_heads
-
-    location, name = _location_and_name(name_or_path)
-    return read_target_heads(location, name) or load_target_model(name_or_path, dtype="float32")
-
-
-def add_placement_arguments(parser) -> None:
-    """`--device-map` / `--max-memory` / `--offload-folder`: a target bigger than one device (Accelerate)."""
-    parser.add_argument("--device-map", default=None,
-                        help="spread the target over devices with Accelerate: auto, balanced or sequential "
-                             "(default: all of it on --device)")
-    parser.add_argument("--max-memory", default=None, metavar="DEVICE=SIZE,...",
-                        help="per-device budget for --device-map, e.g. 0=70GiB,1=70GiB,cpu=200GiB (default: all free memory)")
-    parser.add_argument("--offload-folder", default=None,
-                        help="let --device-map put what does not fit --max-memory on disk, here (slow; default: refuse)")
-
-
-def placement_from_args(args) -> dict:
-    """The keyword arguments of `load_target` for the placement flags (none when --device-map is not given)."""
-    from .target_weights import parse_max_memory
-
-    max_memory = parse_max_memory(args.max_memory)
-    if args.device_map is None:
-        if max_memory is not None or args.offload_folder is not None:
-            raise ValueError("--max-memory and --offload-folder apply to --device-map; add --device-map auto")
-        return {}
-    return {"device_map": args.device_map, "max_memory": max_memory, "offload_folder": args.offload_folder}
+def load_selected_conversations(source: str | os.PathLike, split: str = "all", limit: int | None = None,
+                                need_assistant: bool = True) -> list[Conversation]:
+    """`source` read (`load_conversations`), refused with the data errors every stage shares (`check_dataset`), and
+    one split's first `limit` conversations (`select_conversations`): what `cache`, `regenerate` and online training
+    read, so each refuses a bad file the same way before any target loads."""
+    conversations = load_conversations(source)
+    check_dataset(conversations, str(source), need_assistant)
+    return select_conversations(conversations, source, split, limit)

@@ -1,11 +1,11 @@
-"""`dspark-hf eval`: how good a drafter is, offline and online (DESIGN §7).
+"""`dspark-hf eval`: how good a drafter is, offline and online (docs/design.md §7).
 
 Three views of the same drafter:
 
 - **offline** (teacher-forced on a hidden-state cache): for every valid anchor the drafter's Markov-corrected q_k is
   compared with the target's p_k (both restricted to the draft vocabulary, teacher-forced with the data tokens as
   previous tokens); 1 - TV_k is the acceptance of draft k given the drafts before it. τ = mean over blocks of
-  1 + Σ_k Π_{i≤k} (1 - TV_i), "out of B" — the Kimi-K2.6 DSpark card's definitions (DESIGN §3), so the numbers
+  1 + Σ_k Π_{i≤k} (1 - TV_i), "out of B" — the Kimi-K2.6 DSpark card's definitions (docs/design.md §3), so the numbers
   are comparable with it. Computed with `dspark_hf.metrics`, the functions training reports with.
 - **online** (real `target.generate(..., assistant_model=drafter)` on held-out chat prompts, the test split):
   mean accepted length per verify round including the bonus token, cumulative and conditional per-position
@@ -16,87 +16,31 @@ Three views of the same drafter:
   reliability-diagram PNG.
 
 `--json` prints one JSON document for machines; otherwise tables for people. PNGs go to `--plots`.
+
+`bench` measures with the same pieces, through this public surface: `load_drafter`, `drafter_name`,
+`live_acceptance_over_calls`, `live_curve` and `plot_acceptance`; the prompts come from `dspark_hf.prompts` and the
+timed `generate` calls from `dspark_hf.timing`, for both.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 from . import DSparkConfig, DSparkForDrafting
 from .cache import HiddenStateCache
 from .calibration import calibration_report, survival_predictions
-from .data import load_conversations, load_target, resolve_target, split_conversations
 from .metrics import brier_score, per_position_acceptance, survival, tau
+from .prompts import DEFAULT_PROMPT_SOURCES, encode_prompt, held_out_prompts
+from .remote_code.generation_dspark import DSparkGenerationStats
 from .reporting import emit_report, machine_description, set_threads
 from .rollouts import offline_acceptance, rollouts_from_blocks
-
-DEFAULT_PROMPT_SOURCES = ("chitchat",)
-
-
-# ---------------------------------------------------------------------------------------------------- prompts
-def conversation_prompts(source, split: str, limit: int, turns: int = 1) -> list[list[dict]]:
-    """The first `limit` conversations of `split` (hash split by conversation id; `all` for a corpus never trained
-    on) of `source`, each up to its `turns`-th user turn with the replies between (one user message when turns = 1);
-    conversations with fewer user turns are skipped."""
-    conversations = load_conversations(source)
-    if split != "all":
-        conversations = split_conversations(conversations)[split]
-    prompts = []
-    for conv in conversations:
-        history, users = [], 0
-        for message in conv["messages"]:
-            if message["role"] == "user" and message["content"].strip():
-                users += 1
-                history.append({"role": "user", "content": message["content"].strip()})
-                if users == turns:
-                    break
-            elif history and message["role"] == "assistant":
-                history.append({"role": "assistant", "content": message["content"].strip()})
-        if users == turns:
-            prompts.append(history)
-        if len(prompts) == limit:
-            break
-    return prompts
-
-
-def domain_prompts(spec: str, split: str, limit: int) -> list[list[dict]]:
-    """Prompts of one bench domain, `SOURCE[:SPLIT[:TURNS]]`: SPLIT overrides `split`; TURNS > 1 keeps the
-    conversation up to its TURNS-th user turn, earlier replies included, so long multi-turn contexts are measured as
-    users send them."""
-    source, _, rest = spec.partition(":")
-    chosen_split, _, turns = rest.partition(":")
-    chosen_split, turns = chosen_split or split, int(turns or 1)
-    prompts = conversation_prompts(source, chosen_split, limit, turns)
-    if not prompts:
-        raise ValueError(f"no prompts with {turns} user turn(s) in the {chosen_split!r} split of {source}; pass another --prompts source.")
-    return prompts
-
-
-def held_out_prompts(sources=DEFAULT_PROMPT_SOURCES, split: str = "test", limit: int = 8) -> list[list[dict]]:
-    """First user turn of the first `limit` conversations of `split` (hash split by conversation id, never trained
-    on), interleaving the given sources. Each prompt is a one-message chat."""
-    per_source = [conversation_prompts(source, split, limit) for source in sources]
-    out: list[list[dict]] = []
-    for i in range(max((len(p) for p in per_source), default=0)):
-        for prompts in per_source:
-            if i < len(prompts) and len(out) < limit:
-                out.append(prompts[i])
-    if not out:
-        raise ValueError(f"no prompts with a user turn in the {split!r} split of {', '.join(map(str, sources))}; pass another --prompts source.")
-    return out
-
-
-def encode_prompt(tokenizer, messages: list[dict], device="cpu") -> dict[str, torch.Tensor]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    return {"input_ids": ids["input_ids"].to(device), "attention_mask": ids["attention_mask"].to(device)}
+from .targets import add_target_argument, load_target, resolve_target
+from .timing import timed_generate
 
 
 # ---------------------------------------------------------------------------------------------------- offline
@@ -154,86 +98,6 @@ def reliability_bins(predicted: torch.Tensor, observed: torch.Tensor, num_bins: 
 
 
 # ---------------------------------------------------------------------------------------------------- online
-def merge_generation_stats(stats_list) -> Any:
-    """One DSparkGenerationStats over several generate calls (rounds concatenated, times summed)."""
-    # the stats class of whichever copy of the remote code the drafter came from
-    merged = type(stats_list[0])(num_draft_tokens=stats_list[0].num_draft_tokens)
-    for s in stats_list:
-        merged.drafted += list(s.drafted)
-        merged.accepted += list(s.accepted)
-        merged.draft_time_s += s.draft_time_s
-        merged.verify_time_s += s.verify_time_s
-        for name in ("confidence_predicted", "confidence_observed", "confidence_verified", "lookup_rounds",
-                     "lookup_drafted", "lookup_accepted"):  # older remote code lacks some of them
-            setattr(merged, name, getattr(merged, name, 0) + getattr(s, name, 0))
-    return merged
-
-
-class FirstTokenClock(BaseStreamer):
-    """Notes when the first new token arrives (the prompt is streamed first): where the prefill ends and decoding
-    starts. The prefill is the same target forward with or without a drafter, so speed-ups of decoding are measured
-    after it (long prompts and short answers otherwise dilute them, and at T = 1 answers of different lengths
-    weigh the prefill differently)."""
-
-    def __init__(self):
-        self.prompt_seen = False
-        self.first_token_at: float | None = None
-
-    def put(self, value):
-        if not self.prompt_seen:
-            self.prompt_seen = True
-        elif self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-
-    def end(self):
-        pass
-
-
-@dataclass
-class TimedGeneration:
-    tokens: torch.Tensor  # the new token ids
-    seconds: float  # the whole generate call
-    prefill_seconds: float  # until the first new token
-
-    @property
-    def decode_tokens(self) -> int:
-        """Tokens after the first (which the prefill itself yields)."""
-        return max(self.tokens.numel() - 1, 0)
-
-    @property
-    def decode_seconds(self) -> float:
-        return self.seconds - self.prefill_seconds
-
-
-def timed_generation(target, inputs, max_new_tokens: int, do_sample: bool, seed: int = 0, **kwargs) -> TimedGeneration:
-    """One `generate` call timed whole and up to its first new token; sampling reseeded per call so runs compare."""
-    clock = FirstTokenClock()
-    tokens, start, seconds = _timed_call(target, inputs, max_new_tokens, do_sample, seed, streamer=clock, **kwargs)
-    prefill = (clock.first_token_at or start + seconds) - start
-    return TimedGeneration(tokens, seconds, min(prefill, seconds))
-
-
-def timed_generate(target, inputs, max_new_tokens: int, do_sample: bool, seed: int = 0, **kwargs):
-    """(new token ids, seconds) of one `generate` call; sampling reseeded per call so runs are comparable."""
-    tokens, _, seconds = _timed_call(target, inputs, max_new_tokens, do_sample, seed, **kwargs)
-    return tokens, seconds
-
-
-def _timed_call(target, inputs, max_new_tokens: int, do_sample: bool, seed: int, **kwargs):
-    """(new token ids, start time, seconds) of one `generate` call with the bench's decoding settings: greedy, or
-    pure T = 1 sampling (no top-k/top-p from the target's config)."""
-    settings = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=target.generation_config.eos_token_id)
-    if do_sample:
-        settings.update(temperature=1.0, top_k=0, top_p=1.0)
-    else:
-        settings.update(temperature=None, top_k=None, top_p=None)
-    settings.update(kwargs)
-    torch.manual_seed(seed)
-    start = time.perf_counter()
-    out = target.generate(**inputs, **settings)
-    return out[0, inputs["input_ids"].shape[1]:], start, time.perf_counter() - start
-
-
 def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_new_tokens: int = 96,
                    do_sample: bool = False, seed: int = 0, warmup: bool = True) -> dict[str, Any]:
     """Plain generate vs generate with the drafter on each prompt, alternating, same process."""
@@ -251,7 +115,7 @@ def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_ne
         plain_tokens, plain_time = plain_tokens + plain.numel(), plain_time + t_plain
         spec_tokens, spec_time = spec_tokens + spec.numel(), spec_time + t_spec
         identical.append(bool(plain.shape == spec.shape and torch.equal(plain, spec)))
-    merged = merge_generation_stats(stats)
+    merged = DSparkGenerationStats.merged(stats)
     summary = {**merged.to_dict(), **live_acceptance(merged)}
     summary.update(
         mode="sampling T=1" if do_sample else "greedy",
@@ -267,7 +131,6 @@ def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_ne
     return summary
 
 
-# ---------------------------------------------------------------------------------------------------- plots
 def live_acceptance(stats) -> dict[str, Any]:
     """Live τ, drafts per round and per-position acceptance, each with the number of rounds it rests on."""
     drafted, accepted, N = stats.drafted, stats.accepted, stats.num_draft_tokens
@@ -298,12 +161,27 @@ def live_acceptance(stats) -> dict[str, Any]:
     }
 
 
+def live_acceptance_over_calls(stats_list) -> dict[str, Any]:
+    """`live_acceptance` of several generate calls taken together (their stats merged): one drafter's live numbers
+    over a set of prompts, reported alike by `eval` and `bench`."""
+    return live_acceptance(DSparkGenerationStats.merged(stats_list))
+
+
+def live_curve(live: dict[str, Any]) -> dict[str, list]:
+    """The `plot_acceptance` curve of `live_acceptance`'s numbers, each point with the rounds it rests on: `eval`'s
+    online modes and `bench`'s domains draw the same two panels."""
+    return {"conditional": live["acceptance_conditional"], "conditional_n": live["acceptance_conditional_rounds"],
+            "cumulative": live["acceptance_cumulative"], "cumulative_n": live["acceptance_cumulative_rounds"]}
+
+
+# ---------------------------------------------------------------------------------------------------- plots
 FEW_BLOCKS = 20  # a point resting on fewer blocks is drawn hollow: noise, not a result
 
 
 def plot_acceptance(path: str | os.PathLike, curves: dict[str, dict[str, list]], title: str) -> str:
     """Two panels, conditional P(draft k accepted | drafts before it accepted) and cumulative P(drafts 1..k all
-    accepted); each point is labelled with the number of blocks it rests on, hollow below FEW_BLOCKS.
+    accepted); each point is labelled with the number of blocks it rests on, hollow below FEW_BLOCKS. One drawing for
+    `eval` (offline and online curves) and `bench` (one curve per domain and mode), so their plots read alike.
 
     curves: label -> {"conditional", "conditional_n", "cumulative", "cumulative_n"} (lists over k = 1..N)."""
     import matplotlib
@@ -338,19 +216,6 @@ def plot_acceptance(path: str | os.PathLike, curves: dict[str, dict[str, list]],
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
-
-
-def plot_domain_acceptance(path: str | os.PathLike, report: dict[str, Any], method: str = "dspark") -> str:
-    """The bench's live acceptance of `method`, one curve per domain and mode."""
-    curves = {}
-    for domain, result in report["domains"].items():
-        for mode, rows in result["modes"].items():
-            row = rows.get(method, {})
-            if "acceptance_conditional" in row:
-                curves[f"{Path(domain).name}, {mode}"] = {
-                    "conditional": row["acceptance_conditional"], "conditional_n": row["acceptance_conditional_rounds"],
-                    "cumulative": row["acceptance_cumulative"], "cumulative_n": row["acceptance_cumulative_rounds"]}
-    return plot_acceptance(path, curves, f"{report['drafter']}, live acceptance ({report['dtype']})")
 
 
 def plot_reliability(path: str | os.PathLike, calibration: dict[str, Any], positions=(0, 2, 4, 6)) -> str:
@@ -426,13 +291,15 @@ def format_report(report: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------------------------------------- driver
 def drafter_name(model_dir: str) -> str:
-    """"DSpark drafter for <target> (<folder>)" from the checkpoint's config: plot titles name the drafter."""
+    """"DSpark drafter for <target> (<folder>)" from the checkpoint's config: `eval`'s and `bench`'s plot titles
+    and reports name the drafter they measured."""
     config = DSparkConfig.from_pretrained(model_dir)
     return f"DSpark drafter for {config.verifier_name_or_path or 'its target'} ({Path(model_dir).name})"
 
 
 def load_drafter(path: str, target=None, dtype: torch.dtype = torch.float32):
-    """A drafter from a directory, bound to `target` if its checkpoint omits the frozen embed/head."""
+    """A drafter from a directory, bound to `target` if its checkpoint omits the frozen embed/head: how `eval` and
+    `bench` load every drafter they measure (a checkpoint as shipped binds its embedding and LM head at attach time)."""
     drafter = DSparkForDrafting.from_pretrained(path, dtype=dtype).eval()
     if target is not None and drafter.config.bind_target_embeddings:
         drafter.bind_target(target)
@@ -477,9 +344,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         for mode in args.modes:
             on = online_metrics(target, tokenizer, drafter, prompts, args.max_new_tokens, do_sample=(mode == "sample"))
             report["online"].append(on)
-            curves[f"online {on['mode']}"] = {
-                "conditional": on["acceptance_conditional"], "conditional_n": on["acceptance_conditional_rounds"],
-                "cumulative": on["acceptance_cumulative"], "cumulative_n": on["acceptance_cumulative_rounds"]}
+            curves[f"online {on['mode']}"] = live_curve(on)
     if plots and curves:
         report["plots"]["acceptance"] = plot_acceptance(plots / "acceptance.png", curves, f"{drafter_name(args.model)} ({args.dtype})")
     return report
@@ -487,8 +352,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="drafter checkpoint directory")
-    parser.add_argument("--target", default=None,
-                        help="target path, Hub id or .gguf file (default: the one the drafter records, verifier_name_or_path)")
+    add_target_argument(parser, from_drafter=True)
     parser.add_argument("--cache", help="held-out hidden-state cache for offline τ, acceptance and calibration")
     parser.add_argument("--max-anchors", type=int, default=10_000, help="offline: blocks per sample (default: all)")
     parser.add_argument("--max-samples", type=int, default=None, help="offline: only the first N cache samples")
@@ -518,13 +382,14 @@ def run(args: argparse.Namespace) -> int:
 
 __all__ = [
     "calibration_metrics",
+    "drafter_name",
     "evaluate",
-    "conversation_prompts",
-    "domain_prompts",
-    "held_out_prompts",
+    "live_acceptance",
+    "live_acceptance_over_calls",
+    "live_curve",
+    "load_drafter",
     "offline_acceptance",
     "offline_metrics",
     "online_metrics",
-    "timed_generate",
-    "timed_generation",
+    "plot_acceptance",
 ]

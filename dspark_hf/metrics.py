@@ -1,6 +1,6 @@
 """Drafter metrics shared by training, calibration and evaluation: τ, per-position acceptance, calibration.
 
-Definitions follow the Kimi-K2.6 DSpark card (DESIGN §3) so offline numbers are comparable with it: the acceptance
+Definitions follow the Kimi-K2.6 DSpark card (docs/design.md §3) so offline numbers are comparable with it: the acceptance
 of draft k given that drafts 1..k-1 were accepted is 1 - TV_k (teacher-forced, draft-vocab restricted), the
 survival of draft k is a_k = Π_{i≤k} (1 - TV_i), and the accepted length of a block is τ = 1 + Σ_k a_k (the target's
 bonus token always counts). Pure torch; every function takes and returns tensors or floats.

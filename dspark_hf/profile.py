@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from .data import load_target_model
-from .remote_code.modeling_dspark import measure_verify_profile, store_verify_profile, verify_profile_path
+from .remote_code.profiling_dspark import measure_verify_profile, store_verify_profile, verify_profile_path
 from .reporting import emit_report
+from .targets import add_target_argument, load_target_model
 
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="smollm2", help="target path or Hub id (default: the offline SmolLM2)")
+    add_target_argument(parser, default="smollm2")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="cpu", help="device to measure on (cpu, cuda, ...)")
     parser.add_argument("--max-drafts", type=int, default=7, help="largest k measured (the drafter's block size - 1)")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .target_weights import input_device
+from .targets import input_device
 
 DEFAULT_MAX_BATCH_TOKENS = 8192  # padded prompt tokens per generate call (rows x longest prompt)
 DEFAULT_CHUNK_TOKENS = 16  # new tokens per generate call of a batch, after which finished rows leave it
@@ -423,19 +423,17 @@ def regenerate_through_server(server, conversations: list[dict], output: str | o
 
 # ---------------------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .data import add_placement_arguments
+    from .data import add_dataset_arguments
+    from .targets import add_placement_arguments, add_target_argument
 
     parser.description = (
         "Keep the user turns of a chat dataset and let the target write every assistant turn with its own chat "
         "template and sampling settings (on-policy data). Output: messages JSONL with an `id` per conversation; "
         "rerunning the same command resumes where it stopped."
     )
-    parser.add_argument("--target", required=True, help="target model path or Hub id; `smollm2` = the offline SmolLM2-135M-Instruct")
-    parser.add_argument("--input", "--dataset", dest="input", required=True,
-                        help="JSONL (OpenAI messages or ShareGPT), or `chitchat` / `chatterbot`")
+    add_target_argument(parser, required=True)
+    add_dataset_arguments(parser, "regenerate", flags=("--input", "--dataset"))
     parser.add_argument("--output", required=True, help="output JSONL (appended to; ids already present are skipped)")
-    parser.add_argument("--split", default="all", choices=["train", "validation", "test", "all"], help="hash split to regenerate (default: all)")
-    parser.add_argument("--limit", type=int, default=None, help="regenerate only the first N conversations")
     parser.add_argument("--max-turns", type=int, default=None, help="keep at most this many user turns per conversation")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per assistant turn (default: 256)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples")
@@ -466,13 +464,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .data import check_dataset, load_conversations, load_target, placement_from_args, select_conversations
+    from .data import load_selected_conversations
+    from .targets import load_target, placement_from_args
 
     if args.max_batch_tokens < 1:
         raise ValueError(f"--max-batch-tokens {args.max_batch_tokens} is below 1; pass a padded-token budget such as 8192")
-    conversations = load_conversations(args.input)
-    check_dataset(conversations, str(args.input), need_assistant=False)
-    conversations = select_conversations(conversations, args.input, args.split, args.limit)
+    conversations = load_selected_conversations(args.dataset, args.split, args.limit, need_assistant=False)
     if args.max_turns is not None:
         conversations = [_first_user_turns(c, args.max_turns) for c in conversations]
     placement = placement_from_args(args)
@@ -492,7 +489,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_through_server(args: argparse.Namespace, conversations: list[dict]) -> int:
-    from .data import load_target_tokenizer
+    from .targets import load_target_tokenizer
     from .serving import ChatServer
 
     if args.concurrency < 1:

@@ -1,4 +1,4 @@
-"""The teacher-forced pass over a hidden-state cache that evaluation and calibration both read (DESIGN §2, §7).
+"""The teacher-forced pass over a hidden-state cache that evaluation and calibration both read (docs/design.md §2, §7).
 
 For every valid anchor (as in training: up to `max_anchors` per sample, fixed seed) the drafter's Markov-corrected
 q_k is compared with the target's p_k, both restricted to the draft vocabulary and teacher-forced with the data

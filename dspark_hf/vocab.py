@@ -1,7 +1,7 @@
 """Draft vocabulary: the V_d target tokens the assistant actually writes most often.
 
 The drafter's LM head is the target's restricted to V_d rows, which cuts the head's cost by V_t / V_d with almost no
-loss in acceptance when the rows are the frequent assistant tokens. Two tensors describe the choice (DESIGN §5):
+loss in acceptance when the rows are the frequent assistant tokens. Two tensors describe the choice (docs/design.md §5):
 `d2t` int64 [V_d] with target id = j + d2t[j] (draft ids ascending in target id) and `t2d` bool [V_t].
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .assets import smollm2_path
 from .cache import HiddenStateCache
 from .data import load_conversations, split_conversations, tokenize_conversations
+from .targets import add_target_argument, load_target_config, load_target_tokenizer
 
 
 def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--cache", help="hidden-state cache directory (from `dspark-hf cache`)")
     source.add_argument("--dataset", help="JSONL dataset or `chitchat` / `chatterbot` (needs --target for the tokenizer)")
-    parser.add_argument("--target", help="target path or Hub id whose tokenizer/chat template tokenizes --dataset")
+    add_target_argument(parser)  # its tokenizer and chat template tokenize --dataset
     parser.add_argument("--draft-vocab-size", type=int, help="V_d, the number of draft tokens (e.g. 32000)")
     parser.add_argument("--full", action="store_true", help="full-vocabulary mode: d2t zeros, t2d all true")
     parser.add_argument("--max-length", type=int, default=2048, help="truncation when tokenizing --dataset (default: 2048)")
@@ -122,13 +122,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not args.target:
             raise ValueError("--dataset needs --target (its tokenizer and chat template find the assistant tokens)")
-        from transformers import AutoConfig, AutoTokenizer
-
-        path = args.target
-        if args.target.lower() in ("smollm2", "huggingfacetb/smollm2-135m-instruct"):
-            path = smollm2_path()
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        config = AutoConfig.from_pretrained(path)
+        tokenizer, config = load_target_tokenizer(args.target), load_target_config(args.target)
         vocab_size = (config.get_text_config() if hasattr(config, "get_text_config") else config).vocab_size
         conversations = split_conversations(load_conversations(args.dataset))["train"]  # never count test tokens
         samples = tokenize_conversations(tokenizer, conversations, args.max_length, name=str(args.dataset))

@@ -32,7 +32,9 @@ DEFAULT_DRAFTER = Path(__file__).resolve().parent / "smollm2-dspark"
 
 def run_demo(target, tokenizer, drafter, prompts: list[list[dict]], max_new_tokens: int = 64, log=print) -> dict:
     """Answer every prompt plainly and with the drafter (same process, alternating); return the comparison."""
-    from dspark_hf.evaluation import encode_prompt, merge_generation_stats, timed_generate
+    from dspark_hf.remote_code.generation_dspark import DSparkGenerationStats
+    from dspark_hf.prompts import encode_prompt
+    from dspark_hf.timing import timed_generate
 
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     timed_generate(target, encoded[0], 4, False)  # warm-up, not timed
@@ -52,7 +54,7 @@ def run_demo(target, tokenizer, drafter, prompts: list[list[dict]], max_new_toke
         log(f"  DSpark        ({spec.numel() / t_spec:5.1f} tok/s): {tokenizer.decode(spec, skip_special_tokens=True)!r}")
         log(f"  identical: {'yes' if identical else 'NO'}   τ = {s.mean_accepted_length:.2f} tokens/round "
             f"over {s.rounds} rounds, {sum(s.drafted) / max(s.rounds, 1):.2f} drafts/round")
-    merged = merge_generation_stats(stats)
+    merged = DSparkGenerationStats.merged(stats)
     result = {
         "identical": bool(all_identical),
         "tau": merged.mean_accepted_length,
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModel
 
     from dspark_hf.assets import load_smollm2
-    from dspark_hf.evaluation import held_out_prompts
+    from dspark_hf.prompts import held_out_prompts
     from dspark_hf.reporting import machine_description
 
     start = time.perf_counter()

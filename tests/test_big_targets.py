@@ -16,11 +16,10 @@ from safetensors import safe_open
 from conftest import make_drafter, make_tiny_target
 from dspark_hf.cache import HiddenStateCache, build_cache
 from dspark_hf.cli import main
-from dspark_hf.data import load_target, load_target_heads, load_target_model
 from dspark_hf.formats.export import export
 from dspark_hf.regenerate import regenerate_conversations
-from dspark_hf.target_weights import parse_max_memory
-from dspark_hf.data import load_target_heads as trainer_target  # what `train --target` and `calibrate --target` read
+from dspark_hf.targets import load_target, load_target_heads, load_target_model, parse_max_memory
+from dspark_hf.targets import load_target_heads as trainer_target  # what `train --target` and `calibrate --target` read
 
 # Embedding + the LM-head reserve + two decoder layers of the target below: a CPU + disk split (checked in the test).
 SPLIT_BUDGET = {"cpu": "25.5MB"}

@@ -161,7 +161,7 @@ def test_eval_and_bench_take_the_target_the_drafter_records(tiny_dir, prompts, t
 def test_a_relative_target_directory_is_recorded_absolute(tiny_dir, tmp_path, monkeypatch):
     """`train --target ../model` records where the target is, so `eval`/`bench`/`calibrate` without --target find it
     from any directory; the `smollm2` alias keeps its Hub name."""
-    from dspark_hf.data import load_target, load_target_heads, load_target_model, resolve_target
+    from dspark_hf.targets import load_target, load_target_heads, load_target_model, resolve_target
     from dspark_hf.training.build import drafter_config_from_target
 
     monkeypatch.chdir(tiny_dir.parent)

@@ -107,7 +107,8 @@ def test_online_stats_add_up_and_greedy_is_lossless(tiny):
 
 def test_timed_generation_splits_the_prefill_from_decoding(tiny):
     """The first token comes from the prefill: decoding is timed from its arrival, with or without a drafter."""
-    from dspark_hf.evaluation import encode_prompt, timed_generation
+    from dspark_hf.prompts import encode_prompt
+    from dspark_hf.timing import timed_generation
 
     target, tokenizer, drafter = tiny
     inputs = encode_prompt(tokenizer, PROMPTS[0])
@@ -258,7 +259,7 @@ def test_model_card_lists_every_training_cycle(tmp_path):
 
 
 def test_bench_domains_keep_history_when_asked(tmp_path):
-    from dspark_hf.evaluation import domain_prompts
+    from dspark_hf.prompts import domain_prompts
     from dspark_hf.data import write_jsonl
 
     turns = [{"role": r, "content": f"{r} {i}"} for i in range(4) for r in ("user", "assistant")]
@@ -301,7 +302,8 @@ def test_demo_code_path_on_a_tiny_model(tiny):
 def test_shipped_drafter_loads_with_automodel_and_is_lossless_in_fp32(smollm2):
     from transformers import AutoModel
 
-    from dspark_hf.evaluation import encode_prompt, held_out_prompts, timed_generate
+    from dspark_hf.prompts import encode_prompt, held_out_prompts
+    from dspark_hf.timing import timed_generate
 
     target, tokenizer = smollm2
     size = sum(f.stat().st_size for f in SHIPPED.iterdir() if f.is_file())

@@ -1,4 +1,4 @@
-"""Interop: drafters trained elsewhere load here with identical drafts, and ours export in exactly DESIGN §3's layout.
+"""Interop: drafters trained elsewhere load here with identical drafts, and ours export in exactly docs/design.md §3's layout.
 
 Source directories are built in tmp_path with the other projects' own key names (z-lab DFlash `dflash_config`,
 DeepSpec `Qwen3DSparkModel`, speculators `transformer_layer_config` diffs), holding the weights of a drafter we know,
@@ -21,6 +21,7 @@ from dspark_hf.cli import main as cli_main
 from dspark_hf.formats.convert import convert
 from dspark_hf.formats.export import export
 from dspark_hf.formats.speculators import read_speculators, write_checkpoint
+from dspark_hf.remote_code.configuration_dspark import REMOTE_CODE_FILES
 
 TARGET_LAYERS = 4
 
@@ -322,11 +323,11 @@ def test_unsupported_variants_are_named(target, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Export: exactly DESIGN §3, field by field; the Kimi-shaped tiny checkpoint passes the checks the real layout does
+# Export: exactly docs/design.md §3, field by field; the Kimi-shaped tiny checkpoint passes the checks the real layout does
 
 
 def design_layout(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]]):
-    """DESIGN §3, spelled out: every config key and every tensor name, shape and dtype of a DSpark checkpoint."""
+    """docs/design.md §3, spelled out: every config key and every tensor name, shape and dtype of a DSpark checkpoint."""
     L, d, H, KV, hd = (config[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
                                             "num_key_value_heads", "head_dim"))
     V_t, V_d, r, m = config["vocab_size"], config["draft_vocab_size"], config["markov_rank"], len(
@@ -381,7 +382,7 @@ def read_layout(directory):
 
 
 def test_kimi_preset_layout_is_design_section_3():
-    """The real Kimi-K2.6 layout (built on the meta device): 44 tensors, ≈3.15 B parameters, DESIGN §3 exactly."""
+    """The real Kimi-K2.6 layout (built on the meta device): 44 tensors, ≈3.15 B parameters, docs/design.md §3 exactly."""
     config = DSparkConfig.from_preset("kimi-k2.6")
     with torch.device("meta"):
         model = DSparkForDrafting(config).to(torch.bfloat16)
@@ -400,8 +401,8 @@ def test_kimi_shaped_tiny_export_is_design_section_3(target, tmp_path):
     out = export(tmp_path / "trained", tmp_path / "export", verifier="tiny/qwen3",
                  verifier_architectures=["Qwen3ForCausalLM"])
 
-    assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "configuration_dspark.py", "generation_config.json", "model.safetensors", "modeling_dspark.py"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", "generation_config.json", "model.safetensors", *REMOTE_CODE_FILES])
     config, tensors = read_layout(out)
     design_layout(config, tensors)
     assert len(tensors) == 44  # same count as the Kimi card

@@ -13,7 +13,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from dspark_hf import DSparkDraftOutput
-from dspark_hf.remote_code import modeling_dspark
+from dspark_hf.remote_code import modeling_dspark, routing_dspark
 
 PROMPTS = [[1, 17, 42, 9], [1, 5, 5, 5, 60, 61, 62, 30, 11], [1, 88, 3, 77, 14, 50]]
 
@@ -287,7 +287,7 @@ def test_perfect_confidence_head_drafts_fewer_rejected_tokens():
 def test_routing_hook_is_installed_once_and_delegates():
     hook = GenerationMixin._get_candidate_generator
     assert getattr(hook, "_dspark_routing", False)
-    modeling_dspark.install_dspark_routing()
+    routing_dspark.install_dspark_routing()
     assert GenerationMixin._get_candidate_generator is hook
     assert not getattr(hook.__wrapped__, "_dspark_routing", False)  # wraps the original, not another wrapper
 

@@ -11,7 +11,7 @@ from conftest import make_tiny_target
 
 from dspark_hf import cli
 from dspark_hf.assets import smollm2_gguf_path
-from dspark_hf.data import load_target
+from dspark_hf.targets import load_target
 
 
 def _permute(weight, heads: int):

@@ -10,6 +10,14 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dspark_hf"
+ROOT = PACKAGE.parent
+
+
+def remote_code_files() -> tuple[str, ...]:
+    """`REMOTE_CODE_FILES` as written in configuration_dspark.py (the one list of them)."""
+    tree = ast.parse((ROOT / "configuration_dspark.py").read_text())
+    assignment = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "REMOTE_CODE_FILES")
+    return ast.literal_eval(assignment.value)
 
 
 def _module_name(path: Path) -> str:
@@ -18,7 +26,10 @@ def _module_name(path: Path) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    """Every module of the package, the remote-code files at the root included (served as `dspark_hf.remote_code`)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules.update({f"dspark_hf.remote_code.{name[:-3]}": ROOT / name for name in remote_code_files()})
+    return modules
 
 
 def _resolve(module: str, is_package: bool, level: int, name: str | None) -> str:
@@ -71,6 +82,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_import_graph_has_no_cycle():
     graph = import_graph()
     assert graph["dspark_hf.evaluation"] and graph["dspark_hf.calibration"]  # the parser sees edges at all
+    assert "dspark_hf.remote_code.generation_dspark" in graph["dspark_hf.remote_code.modeling_dspark"]  # and siblings
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -86,8 +98,7 @@ def test_cycle_finder_finds_a_cycle():
 # ----------------------------------------------------------------------------------------------------------------
 # Small functions (issue 11): a function does one stage. Counted as def..end lines with `ast`, decorators excluded.
 
-ROOT = PACKAGE.parent
-REMOTE_CODE = ("configuration_dspark.py", "modeling_dspark.py")
+REMOTE_CODE = remote_code_files()
 LIBRARY_LIMIT, REMOTE_CODE_LIMIT = 60, 40
 
 # "path::qualified name" -> why it is longer. Every entry must also say so in the function's docstring.
@@ -146,3 +157,57 @@ def test_function_lengths_count_def_to_end(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("class A:\n    def f(self):\n        def g():\n            return 1\n        return g\n\n\ndef h():\n    pass\n")
     assert function_lengths(source) == {"A.f": 4, "A.f.g": 2, "h": 2}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Remote code split by concern (issue 25): the model file is the model; each other concern has a file of its own.
+
+MODEL_FILE_LIMIT, SIBLING_FILE_LIMIT = 1100, 500
+NOT_THE_MODEL = ("perf_counter", "cpuinfo", "hashlib", "json.dump", "setattr(GenerationMixin")
+
+
+def test_remote_code_files_stay_small_and_the_model_file_holds_only_the_model():
+    for name in REMOTE_CODE:
+        lines = len((ROOT / name).read_text().splitlines())
+        limit = MODEL_FILE_LIMIT if name == "modeling_dspark.py" else SIBLING_FILE_LIMIT
+        assert lines <= limit, f"{name} has {lines} lines (limit {limit}): move a concern into a file of its own"
+    model = (ROOT / "modeling_dspark.py").read_text()
+    assert [word for word in NOT_THE_MODEL if word in model] == [], "timing, probing and storage belong elsewhere"
+
+
+def _schedule_class_checks(path: Path) -> list[str]:
+    """`isinstance(x, <...Schedule...>)` calls in a file: code that branches on a schedule's class."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+            if "Schedule" in ast.unparse(node.args[1]):
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_only_the_schedule_module_looks_at_schedule_classes():
+    """The candidate generator talks to every schedule through one interface (hooks that are no-ops on the simple
+    schedules), never by testing which schedule it has."""
+    checks = [hit for name in REMOTE_CODE if name != "scheduling_dspark.py" for hit in _schedule_class_checks(ROOT / name)]
+    assert checks == []
+
+
+def test_schedule_class_check_finder_finds_one(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("if isinstance(schedule, DSparkHardwareAwareSchedule):\n    pass\n")
+    assert _schedule_class_checks(source) == ["m.py:1"]
+
+
+def test_each_drafting_knob_is_read_in_one_function():
+    """`dspark_*` knobs and `num_assistant_tokens` are read from a generation_config only by
+    `DSparkDraftingSettings.from_drafter` (string constants elsewhere are messages or comments, not reads)."""
+    readers = set()
+    for name in REMOTE_CODE:
+        tree = ast.parse((ROOT / name).read_text())
+        for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(function):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                    node.value == "num_assistant_tokens" or node.value.startswith("dspark_")
+                ) and not any(node in ast.walk(call) for call in ast.walk(function) if isinstance(call, ast.JoinedStr)):
+                    readers.add(f"{name}::{function.name}")
+    assert readers == {"generation_dspark.py::from_drafter"}

@@ -1,4 +1,4 @@
-"""The DSpark loss equals a direct, slow computation of DESIGN §6; anchors, slots and metrics follow their definitions."""
+"""The DSpark loss equals a direct, slow computation of docs/design.md §6; anchors, slots and metrics follow their definitions."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_position_weights_and_tv_scale():
 
 
 def _reference_loss(logits, conf_logits, final_hidden, head, input_ids, anchors, anchor_mask, loss_mask, t2d, cfg):
-    """DESIGN §6 written out slot by slot with Python loops: no vectorization shared with the implementation."""
+    """docs/design.md §6 written out slot by slot with Python loops: no vectorization shared with the implementation."""
     b, J, N, V = logits.shape
     T = input_ids.shape[1]
     draft_ids = torch.nonzero(t2d).flatten().tolist()

@@ -15,10 +15,11 @@ from conftest import make_drafter, make_tiny_target
 from safetensors import safe_open
 
 from dspark_hf import DSparkConfig, DSparkContextCache, DSparkForDrafting
+from dspark_hf.remote_code.configuration_dspark import REMOTE_CODE_FILES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# DESIGN §3: the Kimi-K2.6 DSpark checkpoint (novita/kimi-k2.6-dspark).
+# docs/design.md §3: the Kimi-K2.6 DSpark checkpoint (novita/kimi-k2.6-dspark).
 KIMI_LAYER_TENSORS = {
     "self_attn.q_proj.weight": (7168, 7168),
     "self_attn.k_proj.weight": (1024, 7168),
@@ -84,6 +85,9 @@ def test_save_and_reload_with_trust_remote_code_in_a_fresh_process(tmp_path):
     assert config["model_type"] == "dspark" and config["speculators_model_type"] == "dspark"
     assert config["vocab_size"] == target.config.vocab_size
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    assert {p.name for p in tmp_path.glob("*.py")} == set(REMOTE_CODE_FILES)  # every file the model imports
+    target.save_pretrained(tmp_path / "target")
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
     assert dtypes.pop("d2t") == "I64" and dtypes.pop("t2d") == "BOOL"
@@ -119,6 +123,12 @@ def test_save_and_reload_with_trust_remote_code_in_a_fresh_process(tmp_path):
         cache = model.extend_context(type(model).__module__ and sys.modules[type(model).__module__].DSparkContextCache(), aux)
         out = model.draft_block(cache, 5)
         torch.save({{"tokens": out.token_ids, "logits": out.draft_logits, "conf": out.confidences}}, path + "/out.pt")
+        from transformers import AutoModelForCausalLM
+        target = AutoModelForCausalLM.from_pretrained(path + "/target", dtype=torch.float32)
+        prompt = torch.tensor({prompt.tolist()!r})
+        plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
+        drafted = target.generate(prompt, assistant_model=model.float(), max_new_tokens=12, do_sample=False)
+        assert torch.equal(plain, drafted) and model.last_generation_stats.rounds > 0, (plain, drafted)
         """
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path)
@@ -131,7 +141,7 @@ def test_save_and_reload_with_trust_remote_code_in_a_fresh_process(tmp_path):
 def test_remote_code_files_import_only_torch_transformers_and_each_other():
     # the standard library, torch and transformers (safetensors/huggingface_hub come with transformers), nothing else
     allowed = {"torch", "transformers", "huggingface_hub", "safetensors"} | set(sys.stdlib_module_names)
-    for name in ("configuration_dspark.py", "modeling_dspark.py"):
+    for name in REMOTE_CODE_FILES:
         tree = ast.parse((REPO_ROOT / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -425,5 +435,5 @@ def test_checkpoint_without_target_copies_binds_them_from_the_target(tmp_path):
 @pytest.mark.parametrize("checkpoint", sorted(p.parent.name for p in (REPO_ROOT / "examples").glob("*/config.json")))
 def test_shipped_checkpoints_carry_the_current_remote_code(checkpoint):
     """A shipped drafter loads with its own copy of the code: it must be the code in this repository."""
-    for name in ("configuration_dspark.py", "modeling_dspark.py"):
+    for name in REMOTE_CODE_FILES:
         assert (REPO_ROOT / "examples" / checkpoint / name).read_bytes() == (REPO_ROOT / name).read_bytes(), name

@@ -3,6 +3,7 @@ drafts priced by the same schedule, and that generation stays lossless with the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -22,16 +23,15 @@ from test_generation import (
 )
 
 from dspark_hf import cli
-from dspark_hf.remote_code import modeling_dspark
-from dspark_hf.remote_code.modeling_dspark import (
-    DSparkDrafterBackoff,
-    DSparkHardwareAwareSchedule,
-    DSparkPromptLookup,
+from dspark_hf.remote_code import generation_dspark, modeling_dspark, profiling_dspark
+from dspark_hf.remote_code.generation_dspark import DSparkDraftingSettings
+from dspark_hf.remote_code.profiling_dspark import (
     DSparkVerifyProfile,
     load_or_measure_verify_profile,
     verify_profile_key,
     verify_profile_path,
 )
+from dspark_hf.remote_code.scheduling_dspark import DSparkDrafterBackoff, DSparkHardwareAwareSchedule, DSparkPromptLookup
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "smollm2-dspark"
 
@@ -161,8 +161,8 @@ def test_profile_noise_is_detected_from_the_timings(monkeypatch):
     target = make_tiny_target("llama")
 
     def fake_timings(samples_per_k):
-        monkeypatch.setattr(modeling_dspark, "_time_verify_passes", lambda *args: [list(s) for s in samples_per_k])
-        return modeling_dspark.measure_verify_profile(target, 3, context_lengths=(16,), repeats=4)
+        monkeypatch.setattr(profiling_dspark, "_time_verify_passes", lambda *args: [list(s) for s in samples_per_k])
+        return profiling_dspark.measure_verify_profile(target, 3, context_lengths=(16,), repeats=4)
 
     clean = fake_timings([[1.0, 1.01, 1.0, 1.02], [1.1, 1.1, 1.11, 1.1], [1.2, 1.21, 1.2, 1.2], [1.4, 1.4, 1.41, 1.4]])
     assert not clean.noisy
@@ -185,8 +185,8 @@ def test_measured_profile_times_every_draft_count(monkeypatch):
         asked.append(list(counts))
         return [[1.0 + 0.1 * k] * repeats for k in counts]
 
-    monkeypatch.setattr(modeling_dspark, "_time_verify_passes", timer)
-    profile = modeling_dspark.measure_verify_profile(target, 5, context_lengths=(16, 32), repeats=4)
+    monkeypatch.setattr(profiling_dspark, "_time_verify_passes", timer)
+    profile = profiling_dspark.measure_verify_profile(target, 5, context_lengths=(16, 32), repeats=4)
     assert asked == [[0, 1, 2, 3, 4, 5]] * 2
     assert profile.max_drafts == 5
 
@@ -227,14 +227,14 @@ def test_online_bias_carries_over_between_generate_calls_of_one_decoding_setting
         drafter.confidence_head.proj.bias.fill_(2.0)  # c ≈ 0.88 for every draft of a random drafter
     expected = greedy(target, PROMPTS[0], max_new_tokens=24, eos_token_id=None)
     assert torch.equal(greedy(target, PROMPTS[0], max_new_tokens=24, eos_token_id=None, assistant_model=drafter), expected)
-    (key, first), = drafter.dspark_confidence_bias.items()
+    (key, first), = drafter.drafting_state.confidence_bias.items()
     assert key[1] == "greedy" and first < 0
     stats = drafter.last_generation_stats
     assert stats.confidence_observed < stats.confidence_predicted  # the drafts survived less often than predicted
     assert torch.equal(greedy(target, PROMPTS[0], max_new_tokens=24, eos_token_id=None, assistant_model=drafter), expected)
-    assert drafter.dspark_confidence_bias[key] < first
+    assert drafter.drafting_state.confidence_bias[key] < first
     target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=8, do_sample=True, assistant_model=drafter)
-    assert len(drafter.dspark_confidence_bias) == 2 and drafter.dspark_confidence_bias[key] < first
+    assert len(drafter.drafting_state.confidence_bias) == 2 and drafter.drafting_state.confidence_bias[key] < first
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def scheduled_drafter(target, profile_times, confident: bool = True, **overrides
     drafter = make_drafter(target, block_size=6, **overrides)
     drafter.generation_config.dspark_schedule = "hardware"
     if profile_times is not None:
-        drafter.dspark_verify_profile = synthetic_profile(profile_times, key=verify_profile_key(target))
+        drafter.drafting_state.verify_profile = synthetic_profile(profile_times, key=verify_profile_key(target))
     if confident and drafter.confidence_head is not None:  # c_n ≈ 1: only the costs decide
         with torch.no_grad():
             drafter.confidence_head.proj.bias.fill_(12.0)
@@ -349,7 +349,7 @@ def test_skipped_rounds_reach_the_drafter_context_in_one_later_extension(monkeyp
 def test_sampling_with_hardware_schedule_matches_plain_sampling():
     target, drafter = sampling_setup("vanilla")
     drafter.generation_config.dspark_schedule = "hardware"
-    drafter.dspark_verify_profile = synthetic_profile([1.0, 1.2, 1.4], key=verify_profile_key(target))
+    drafter.drafting_state.verify_profile = synthetic_profile([1.0, 1.2, 1.4], key=verify_profile_key(target))
     counts = sample_pairs(target, drafter, 1.0, seed=2)
     assert chi_square_p_value(counts, exact_pair_distribution(target, 1.0)) > ALPHA
 
@@ -440,7 +440,7 @@ def test_greedy_with_prompt_lookup_is_token_identical():
         stats = drafter.last_generation_stats
         assert stats.lookup_accepted <= stats.lookup_drafted <= sum(stats.drafted)
         lookup_rounds += stats.lookup_rounds
-    assert lookup_rounds > 0 and drafter.dspark_lookup_counts  # kept on the drafter for the next call
+    assert lookup_rounds > 0 and drafter.drafting_state.lookup_counts  # kept on the drafter for the next call
     drafter.generation_config.dspark_lookup_ngram_size = 0
     greedy(target, PROMPTS[0], max_new_tokens=32, eos_token_id=None, assistant_model=drafter)
     assert drafter.last_generation_stats.lookup_rounds == 0
@@ -471,12 +471,12 @@ def test_sampling_with_prompt_lookup_matches_plain_sampling():
     target, drafter = sampling_setup("vanilla")
     drafter.generation_config.dspark_schedule = "hardware"
     drafter.generation_config.dspark_lookup_ngram_size = 2
-    drafter.dspark_verify_profile = synthetic_profile([1.0, 1.0, 1.0], key=verify_profile_key(target))
+    drafter.drafting_state.verify_profile = synthetic_profile([1.0, 1.0, 1.0], key=verify_profile_key(target))
     with torch.no_grad():
         drafter.confidence_head.proj.bias.fill_(-12.0)
     counts = sample_pairs(target, drafter, 1.0, seed=3)
     assert chi_square_p_value(counts, exact_pair_distribution(target, 1.0)) > ALPHA
-    verified = sum(reached - DSparkPromptLookup.prior_weight for by_size in drafter.dspark_lookup_counts.values()
+    verified = sum(reached - DSparkPromptLookup.prior_weight for by_size in drafter.drafting_state.lookup_counts.values()
                    for _, reached in by_size.values())
     assert verified > 100  # lookup drafts were verified hundreds of times
 
@@ -497,14 +497,13 @@ def test_lookup_knob_must_be_an_ngram_size():
 def profile_home(tmp_path, monkeypatch):
     """HF_HOME in a temporary folder, no profile in memory, and measuring replaced by a counted synthetic one."""
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    monkeypatch.setattr(modeling_dspark, "_PROFILES_IN_MEMORY", {})
     measured = []
 
     def fake_measure(target, max_drafts, *args, **kwargs):
         measured.append(max_drafts)
         return linear_profile(0.1, max_drafts, key=verify_profile_key(target))
 
-    monkeypatch.setattr(modeling_dspark, "measure_verify_profile", fake_measure)
+    monkeypatch.setattr(profiling_dspark, "measure_verify_profile", fake_measure)
     return measured
 
 
@@ -522,14 +521,13 @@ def test_profile_is_measured_once_stored_under_hf_home_and_reused(profile_home, 
     path = Path(verify_profile_path(verify_profile_key(target)))
     assert path.is_file() and path.is_relative_to(tmp_path / "dspark" / "profiles")
     assert "measured the target's verify cost" in warnings_seen.text
-    modeling_dspark._PROFILES_IN_MEMORY.clear()
     assert load_or_measure_verify_profile(target, 5) == first and profile_home == [5]
     load_or_measure_verify_profile(target, 7)  # a longer block than profiled: measured again
     assert profile_home == [5, 7]
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "something else"}),
-                                     json.dumps({"format": modeling_dspark.PROFILE_FORMAT, "key": {}}),
+                                     json.dumps({"format": profiling_dspark.PROFILE_FORMAT, "key": {}}),
                                      json.dumps({"format": "dspark-verify-profile/1", "key": {}})])  # older: interpolated
 def test_corrupt_profile_is_ignored_with_one_warning_and_remeasured(profile_home, warnings_seen, content):
     target = make_tiny_target("llama")
@@ -561,10 +559,11 @@ def test_profile_identity_covers_dtype_and_target():
     assert verify_profile_key(make_tiny_target("qwen3"))["config_sha256"] != key["config_sha256"]
     assert {"target", "revision", "device", "device_name", "torch"} <= set(key)
     drafter = scheduled_drafter(target, None)  # an injected profile of another dtype is not used
-    drafter.dspark_verify_profile = linear_profile(0.0, 5, key={**key, "dtype": "bfloat16"})
+    drafter.drafting_state.verify_profile = linear_profile(0.0, 5, key={**key, "dtype": "bfloat16"})
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(modeling_dspark, "load_or_measure_verify_profile", lambda t, n: linear_profile(9.0, n, key=key))
-        schedule = modeling_dspark.make_hardware_schedule(drafter, target, 5)
+        patch.setattr(generation_dspark, "load_or_measure_verify_profile", lambda t, n: linear_profile(9.0, n, key=key))
+        settings = dataclasses.replace(DSparkDraftingSettings.from_drafter(drafter), num_drafts=5)
+        schedule = generation_dspark.make_schedule(drafter, target, settings, do_sample=False)
     assert schedule.profile.key == key and schedule.profile.verify_time(1, 16) == 10.0
 
 

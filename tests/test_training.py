@@ -404,7 +404,7 @@ def test_train_refuses_a_cache_of_another_model_of_the_same_shape(tmp_path, caps
     # the same weights under another path and dtype are the same target
     LlamaForCausalLM.from_pretrained(world["target"], dtype=torch.bfloat16).save_pretrained(tmp_path / "copy")
     from dspark_hf.cache import HiddenStateCache as Cache
-    from dspark_hf.data import load_target_model
+    from dspark_hf.targets import load_target_model
 
     Cache(world["train"]).check_target(load_target_model(str(tmp_path / "copy")))
 

@@ -1,4 +1,4 @@
-"""The draft vocabulary is the top-V_d assistant tokens by (-count, id), ascending, with DESIGN §5's d2t/t2d."""
+"""The draft vocabulary is the top-V_d assistant tokens by (-count, id), ascending, with docs/design.md §5's d2t/t2d."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`dspark-hf convert --from {zlab-dflash,deepspec,speculators} SRC DST`: import a drafter trained elsewhere.
 
-The result is this project's layout (DESIGN §3), loadable with `AutoModel.from_pretrained(DST, trust_remote_code=True)`,
+The result is this project's layout (docs/design.md §3), loadable with `AutoModel.from_pretrained(DST, trust_remote_code=True)`,
 by speculators and by vLLM; `DST/conversion.json` records how layer ids, slot conventions, heads and vocabulary
 were translated. Nothing is written when the source fails a check.
 """

@@ -8,7 +8,7 @@ Layout read from deepseek-ai/DeepSpec `deepspec/modeling/dspark/qwen3/{config,mo
   confidence head is on), `markov_rank`, `markov_head_type` (only written when the rank is > 0). A DeepSpec
   "DFlash" is the same model with `markov_rank = 0` and the confidence head off.
 - `target_layer_ids` index decoder-layer outputs, with -1 for the embeddings (`hidden_states[0 if i == -1 else
-  i + 1]`): aux = target_layer_ids + 1 in both cases (DESIGN §3).
+  i + 1]`): aux = target_layer_ids + 1 in both cases (docs/design.md §3).
 - Every slot drafts: slot k predicts position p+k+1 (labels at `anchor + 1..B`), previous token of slot 0 is the
   anchor: `sample_from_anchor = True`.
 - Dense: `embed_tokens` [V, d] and `lm_head` [V, d] over the full vocabulary are in the checkpoint (frozen target

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..data import load_target_heads
+from ..targets import add_target_argument, load_target_heads
 from .convert import DTYPES
 from .speculators import read_speculators
 from .toolkit import DraftCheckpoint, write_checkpoint
@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--verifier", help="the target's Hub id, written to speculators_config.verifier.name_or_path")
     parser.add_argument("--verifier-architecture", action="append", dest="verifier_architectures",
                         help="target architecture class name (repeatable), e.g. Qwen3ForCausalLM")
-    parser.add_argument("--target", help="target model path or Hub id to copy embed_tokens/lm_head from")
+    add_target_argument(parser)  # the model embed_tokens/lm_head are copied from
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="floating-point dtype (auto = keep)")
 
 

@@ -1,4 +1,4 @@
-"""The speculators/vLLM layout (DESIGN §3), which is also this project's own checkpoint layout.
+"""The speculators/vLLM layout (docs/design.md §3), which is also this project's own checkpoint layout.
 
 Reading, checking and writing go through `formats.toolkit`, shared with the z-lab DFlash and DeepSpec importers.
 

@@ -3,7 +3,7 @@ one config builder, and the writer.
 
 Why one module: the importers (speculators, z-lab DFlash, DeepSpec) translate their checkpoints into a
 `DraftCheckpoint` and then go through the same shape check and the same writer, so every converted or exported
-directory is byte-for-byte the layout that `save_pretrained`, speculators and vLLM read (DESIGN §3). Expected tensor
+directory is byte-for-byte the layout that `save_pretrained`, speculators and vLLM read (docs/design.md §3). Expected tensor
 shapes come from the model file (`expected_tensor_shapes`), so the check and the model never disagree.
 """
 
@@ -126,11 +126,11 @@ def reject_sliding_layers(config: dict[str, Any], what: str):
 
 
 def _hint(name: str) -> str:
-    return next((hint for pattern, hint in _SHAPE_HINTS if re.search(pattern, name)), "see DESIGN §3")
+    return next((hint for pattern, hint in _SHAPE_HINTS if re.search(pattern, name)), "see docs/design.md §3")
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], config: DSparkConfig, what: str):
-    """One clear error for an unknown, missing or wrong-shaped tensor (DESIGN §9), before anything is written."""
+    """One clear error for an unknown, missing or wrong-shaped tensor (docs/design.md §9), before anything is written."""
     expected = expected_tensor_shapes(config)
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
@@ -231,7 +231,7 @@ def normalize_dtypes(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None
 
 
 def write_checkpoint(checkpoint: DraftCheckpoint, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write the DESIGN §3 layout with the drafter's own `save_pretrained` (single safetensors file, config.json,
+    """Write the docs/design.md §3 layout with the drafter's own `save_pretrained` (single safetensors file, config.json,
     generation_config.json, both remote-code files), plus `conversion.json` when the source used other conventions.
 
     The model is assembled on the meta device with the given tensors assigned, so a multi-GiB drafter is never copied.

@@ -7,7 +7,7 @@ Layout read from z-lab/dflash `dflash/model.py` (`DFlashDraftModel`, `_draft_val
   `dflash_config {mask_token_id, target_layer_ids}`; newer releases may also put `block_size` inside `dflash_config`
   (it wins, as in `_draft_value`).
 - `target_layer_ids` index decoder-layer outputs: context features are `hidden_states[i + 1]`, so
-  aux = target_layer_ids + 1 (DESIGN §3).
+  aux = target_layer_ids + 1 (docs/design.md §3).
 - Slot 0 holds the anchor and predicts nothing; slots 1..B-1 draft (`[:, 1 - B:]`): `sample_from_anchor = False`.
 - Tensors: `layers.*`, `fc`, `hidden_norm`, `norm` only; embeddings and LM head are the target's (full vocabulary).
 - Not convertible exactly: sliding/causal draft layers, an input-embedding scale, logit multipliers or softcapping,

@@ -1,4 +1,4 @@
-"""The two remote-code files (`configuration_dspark.py`, `modeling_dspark.py`) as a package.
+"""The remote-code files (`configuration_dspark.REMOTE_CODE_FILES`) as a package.
 
 They live at the repository root because they are copied next to every checkpoint, and they import each other as
 siblings (`from .configuration_dspark import ...`), so they need a parent package. A wheel ships them here (see

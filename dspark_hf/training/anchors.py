@@ -1,6 +1,6 @@
 """Anchors: where in a training sample a block is drafted, and which of its draft slots carry a label.
 
-DESIGN §6. An anchor p plays the role of the last token the target committed at inference time; the block drafted
+docs/design.md §6. An anchor p plays the role of the last token the target committed at inference time; the block drafted
 from it predicts positions p+1..p+N (draft n predicts p+n in both `sample_from_anchor` conventions).
 
 Validity rule chosen here:

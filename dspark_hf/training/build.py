@@ -14,13 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from .. import DSparkConfig, DSparkForDrafting
-from ..assets import smollm2_path
-from ..data import SMOLLM2_ALIASES, load_target_heads
 from ..formats.toolkit import DraftCheckpoint, load_tensors
 from ..formats.zlab import read_zlab_dflash
+from ..targets import load_target_heads, load_target_tokenizer
 from ..vocab import full_draft_vocab, load_draft_vocab
 
 DEFAULT_MARKOV_RANK = 256
@@ -103,9 +101,8 @@ def default_mask_token(tokenizer, target, used_ids: set[int]) -> int:
 
 
 def _target_tokenizer(name_or_path: str):
-    path = smollm2_path() if name_or_path.lower() in SMOLLM2_ALIASES else name_or_path
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return load_target_tokenizer(name_or_path)
     except (OSError, ValueError):
         raise ValueError(
             f"--target {name_or_path} has no tokenizer to choose the drafter's mask token from; pass --mask-token-id "

@@ -14,6 +14,7 @@ import json
 import sys
 from dataclasses import fields
 
+from ..targets import add_target_argument
 from .online import ONLINE_DTYPES, check_data_source
 from .trainer import TrainingArguments
 
@@ -37,8 +38,7 @@ def _overrides(items: list[str]) -> dict:
 
 def _add_initialisation_arguments(parser: argparse.ArgumentParser) -> None:
     init = parser.add_argument_group("initialisation")
-    init.add_argument("--target", help="target model path or Hub id (its embeddings and LM head are bound into the drafter; "
-                      "with --online it also runs inside the training loop)")
+    add_target_argument(init)  # its embeddings and LM head are bound into the drafter; --online runs it in the loop
     init.add_argument("--embed-target-copies", action="store_true",
                       help="also store the target's embedding and LM-head rows in the drafter's directory (for runtimes "
                            "that cannot bind them from the target; default: bound at attach time, not stored)")

@@ -1,4 +1,4 @@
-"""DSpark training losses (DESIGN §6): CE + TV + confidence BCE per draft slot, weighted by position.
+"""DSpark training losses (docs/design.md §6): CE + TV + confidence BCE per draft slot, weighted by position.
 
 For draft n (1..N) of the block anchored at p:
   q_n  = softmax(U_n + Markov bias(prev = x_{p+n-1}))   the drafter, teacher-forced, over the draft vocab V_d
@@ -51,7 +51,7 @@ class DSparkLoss:
 def position_weights(num_drafts: int, gamma: float = 4.0, device=None) -> torch.Tensor:
     """w_n = exp(-(n-1)/γ), n = 1..N -> (N,)."""
     if gamma <= 0:
-        raise ValueError(f"gamma={gamma} must be > 0 (the position decay of the loss weights; DESIGN default 4).")
+        raise ValueError(f"gamma={gamma} must be > 0 (the position decay of the loss weights; the documented default 4).")
     return torch.exp(-torch.arange(num_drafts, dtype=torch.float32, device=device) / gamma)
 
 

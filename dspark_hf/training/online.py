@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..cache import capture_hidden_states, default_aux_layer_ids
-from ..data import check_dataset, load_conversations, load_target, select_conversations, tokenize_conversations
+from ..data import load_selected_conversations, tokenize_conversations
+from ..targets import load_target
 
 ONLINE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -109,20 +110,13 @@ def check_data_source(args) -> None:
         raise ValueError("--train-cache is required for `dspark-hf train` (or --online with --target and --dataset)")
 
 
-def _conversations(source: str, split: str, limit: int | None) -> list[dict]:
-    """Read and select as `dspark-hf cache` does (same loader, checks and hash split)."""
-    conversations = load_conversations(source)
-    check_dataset(conversations, str(source))
-    return select_conversations(conversations, source, split, limit)
-
-
 def open_online(args, device, log=print) -> list[OnlineHiddenStates]:
     """The training data and, with `--eval-dataset`, the validation data: each dataset tokenized as `dspark-hf cache`
     tokenizes it, both sharing one target loaded in `--target-dtype` on `device` (the datasets are read first, so a
     bad file is refused before a large target loads)."""
-    sources = [_conversations(args.dataset, args.split, args.limit)]
+    sources = [load_selected_conversations(args.dataset, args.split, args.limit)]  # read as `dspark-hf cache` reads it
     if args.eval_dataset:
-        sources.append(_conversations(args.eval_dataset, args.eval_split, None))
+        sources.append(load_selected_conversations(args.eval_dataset, args.eval_split))
     target, tokenizer = load_target(args.target, dtype=args.target_dtype, device=device)
     aux = list(args.aux_layers) if args.aux_layers else default_aux_layer_ids(target.config.get_text_config().num_hidden_layers)
     data = [OnlineHiddenStates(target, tokenize_conversations(tokenizer, conversations, max_length=args.max_length),

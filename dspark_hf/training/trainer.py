@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from ..cache import HiddenStateCache, IndexedCache, collate_samples
-from ..data import load_target_heads
+from ..targets import load_target_heads
 from .anchors import sample_batch_anchors, slot_mask
 from .build import build_drafter
 from .losses import LossConfig, MetricWindow, draft_labels, dspark_loss, target_probabilities

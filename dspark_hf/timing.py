@@ -1,0 +1,82 @@
+"""One `generate` call timed as `eval` and `bench` compare methods.
+
+Every method runs with the same decoding settings (greedy, or pure T = 1 sampling with no top-k/top-p from the
+target's config) and is reseeded per call, so runs compare. The call is timed whole and up to its first new token:
+the prefill is the same target forward with or without a drafter, so speed-ups of decoding are measured after it
+(long prompts and short answers otherwise dilute them, and at T = 1 answers of different lengths weigh the prefill
+differently).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+
+class FirstTokenClock(BaseStreamer):
+    """Notes when the first new token arrives (the prompt is streamed first): where the prefill ends and decoding
+    starts."""
+
+    def __init__(self):
+        self.prompt_seen = False
+        self.first_token_at: float | None = None
+
+    def put(self, value):
+        if not self.prompt_seen:
+            self.prompt_seen = True
+        elif self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+@dataclass
+class TimedGeneration:
+    tokens: torch.Tensor  # the new token ids
+    seconds: float  # the whole generate call
+    prefill_seconds: float  # until the first new token
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens after the first (which the prefill itself yields)."""
+        return max(self.tokens.numel() - 1, 0)
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.seconds - self.prefill_seconds
+
+
+def timed_generation(target, inputs, max_new_tokens: int, do_sample: bool, seed: int = 0, **kwargs) -> TimedGeneration:
+    """One `generate` call timed whole and up to its first new token; sampling reseeded per call so runs compare."""
+    clock = FirstTokenClock()
+    tokens, start, seconds = _timed_call(target, inputs, max_new_tokens, do_sample, seed, streamer=clock, **kwargs)
+    prefill = (clock.first_token_at or start + seconds) - start
+    return TimedGeneration(tokens, seconds, min(prefill, seconds))
+
+
+def timed_generate(target, inputs, max_new_tokens: int, do_sample: bool, seed: int = 0, **kwargs):
+    """(new token ids, seconds) of one `generate` call; sampling reseeded per call so runs are comparable."""
+    tokens, _, seconds = _timed_call(target, inputs, max_new_tokens, do_sample, seed, **kwargs)
+    return tokens, seconds
+
+
+def _timed_call(target, inputs, max_new_tokens: int, do_sample: bool, seed: int, **kwargs):
+    """(new token ids, start time, seconds) of one `generate` call with the bench's decoding settings: greedy, or
+    pure T = 1 sampling (no top-k/top-p from the target's config)."""
+    settings = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=target.generation_config.eos_token_id)
+    if do_sample:
+        settings.update(temperature=1.0, top_k=0, top_p=1.0)
+    else:
+        settings.update(temperature=None, top_k=None, top_p=None)
+    settings.update(kwargs)
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    out = target.generate(**inputs, **settings)
+    return out[0, inputs["input_ids"].shape[1]:], start, time.perf_counter() - start
+
+
+__all__ = ["FirstTokenClock", "TimedGeneration", "timed_generate", "timed_generation"]

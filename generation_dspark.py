@@ -1,0 +1,449 @@
+# Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
+"""DSpark inside `target.generate(**inputs, assistant_model=drafter)`: settings, stats, candidate generator, routing.
+
+Remote-code file (imports only torch and transformers). transformers' assisted-decoding loop verifies candidates
+and commits tokens; this file supplies the candidates. Reading order: the drafting settings (every knob of the
+drafter's generation_config, read once) → the state a drafter keeps between generate calls → generation stats → the
+candidate generator (one verify round at a time: extend the drafter's context, draft a block, let the schedule and
+the stops decide how much of it to propose, learn from the outcome). `routing_dspark.py` hands it to generate().
+
+Imports run one way: `modeling_dspark` → `routing_dspark` → this file → `scheduling_dspark` → `profiling_dspark` →
+`configuration_dspark` (the model needs its generator, the generator its schedules, the hardware schedule its
+profile, and everything the config). The generator reaches the model only through the drafter it is handed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.utils import ModelOutput
+
+from .configuration_dspark import check_target_compatibility
+from .profiling_dspark import DSparkVerifyProfile, load_or_measure_verify_profile, verify_profile_key
+from .scheduling_dspark import (
+    DSparkDraftSchedule,
+    DSparkDrafterBackoff,
+    DSparkHardwareAwareSchedule,
+    DSparkPromptLookup,
+    draft_schedule,
+)
+
+# ------------------------------------------------------------------------------------------------------------------
+# Drafting settings and the state kept between generate calls
+
+SCHEDULE_MODES = (None, "fixed", "hardware")
+
+
+@dataclass(frozen=True)
+class DSparkDraftingSettings:
+    """Every drafting knob of a drafter's `generation_config`, read and checked once (see `from_drafter`)."""
+
+    num_drafts: int  # `num_assistant_tokens`: drafts per round at most
+    confidence_threshold: float | None = None  # `dspark_confidence_threshold`: admit while a_n stays above it
+    verify_cost: float | None = None  # `dspark_verify_cost`: one more verified token / a whole verify pass
+    hardware: bool = False  # `dspark_schedule: "hardware"` (and a confidence head, and neither knob above)
+    lookahead: bool = True  # `dspark_lookahead`: greedy rounds may choose k after seeing the whole block
+    lookup_ngram_size: int = 0  # `dspark_lookup_ngram_size`: longest n-gram prompt lookup matches (0: off)
+    min_gain: float = 1.0  # `dspark_min_gain`: how many times a plain step's rate a drafted round must promise
+
+    @classmethod
+    def from_drafter(cls, drafter) -> "DSparkDraftingSettings":
+        """The one place the knobs are read; each bad value is one clear error naming the knob and the fix."""
+        drafting, has_confidence = drafter.generation_config, drafter.confidence_head is not None
+        knob = functools.partial(getattr, drafting)
+        threshold, verify_cost = knob("dspark_confidence_threshold", None), knob("dspark_verify_cost", None)
+        mode = knob("dspark_schedule", None)
+        if mode not in SCHEDULE_MODES:
+            raise ValueError(f"dspark_schedule={mode!r} is not a DSpark schedule; use \"hardware\" or \"fixed\".")
+        if (threshold is not None or verify_cost is not None) and not has_confidence:
+            raise ValueError(
+                "confidence-scheduled drafting needs a confidence head; set enable_confidence_head or unset "
+                "dspark_confidence_threshold / dspark_verify_cost on the drafter's generation_config."
+            )
+        return cls(
+            num_drafts=int(knob("num_assistant_tokens", None) or drafter.num_draft_tokens),
+            confidence_threshold=threshold,
+            verify_cost=verify_cost,
+            hardware=mode == "hardware" and threshold is None and verify_cost is None and has_confidence,
+            lookahead=knob("dspark_lookahead", True) is not False,
+            lookup_ngram_size=_checked_lookup_size(knob("dspark_lookup_ngram_size", None)),
+            min_gain=_checked_min_gain(knob("dspark_min_gain", None)),
+        )
+
+
+def _checked_lookup_size(size) -> int:
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        raise ValueError(f"dspark_lookup_ngram_size={size!r} is not an n-gram size; use e.g. 3, or 0 to turn prompt lookup off.")
+    return size or 0
+
+
+def _checked_min_gain(value) -> float:
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"dspark_min_gain={value!r} is not a positive number; use e.g. 1.1 (draft only when a round "
+                         "promises 10% more than a plain step) or unset it.")
+    return float(value)
+
+
+@dataclass
+class DSparkDraftingState:
+    """Everything a drafter keeps from one generate call to the next: `drafter.drafting_state`.
+
+    Clear `confidence_bias` and `lookup_counts` to start learning over (e.g. after switching to another kind of
+    prompt); set `verify_profile` to price rounds with a profile of your own (left None, the stored one is used).
+    """
+
+    confidence_bias: dict[tuple, float] = field(default_factory=dict)  # hardware schedule's online bias per setting
+    lookup_counts: dict[tuple, dict[int, list[float]]] = field(default_factory=dict)  # prompt-lookup outcomes
+    verify_profile: DSparkVerifyProfile | None = None
+    last_stats: "DSparkGenerationStats | None" = None  # what the last generate call did
+    bound_target: str | None = None  # the target whose embeddings `bind_target` copied
+
+    def verify_profile_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkVerifyProfile:
+        """The profile set here if it belongs to this target, device, dtype and torch; else the stored one (measured
+        on first use)."""
+        if self.verify_profile is not None and self.verify_profile.key == verify_profile_key(target):
+            return self.verify_profile
+        return load_or_measure_verify_profile(target, max_drafts)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Generation stats
+
+# The counters of DSparkGenerationStats that add up over generate calls.
+SUMMED_STATS = ("draft_time_s", "verify_time_s", "confidence_predicted", "confidence_observed", "confidence_verified",
+                "lookup_rounds", "lookup_drafted", "lookup_accepted")
+
+
+@dataclass
+class DSparkGenerationStats:
+    """What happened in the last `generate` call: one entry per verify round."""
+
+    num_draft_tokens: int
+    drafted: list[int] = field(default_factory=list)  # drafts proposed per round
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per round (bonus token not included)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    confidence_predicted: float = 0.0  # Σ recalibrated c_n over drafts verification reached (hardware schedule)
+    confidence_observed: int = 0  # ... and how many of them were accepted
+    confidence_verified: int = 0  # ... of how many drafts
+    lookup_rounds: int = 0  # rounds whose drafts came from prompt lookup (included in drafted/accepted)
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per verify round, bonus included (τ measured live)."""
+        return 1.0 + sum(self.accepted) / max(self.rounds, 1)
+
+    def acceptance_cumulative(self) -> list[float]:
+        """P(drafts 1..k all accepted) over rounds that proposed at least k drafts."""
+        return [
+            sum(a >= k for a, d in zip(self.accepted, self.drafted) if d >= k) / max(sum(d >= k for d in self.drafted), 1)
+            for k in range(1, self.num_draft_tokens + 1)
+        ]
+
+    def acceptance_conditional(self) -> list[float]:
+        """P(draft k accepted | drafts 1..k-1 accepted), over rounds that proposed draft k."""
+        rates = []
+        for k in range(1, self.num_draft_tokens + 1):
+            reached = [a for a, d in zip(self.accepted, self.drafted) if d >= k and a >= k - 1]
+            rates.append(sum(a >= k for a in reached) / max(len(reached), 1))
+        return rates
+
+    def accepted_histogram(self) -> list[int]:
+        """Rounds by number of accepted drafts 0..N."""
+        return [sum(a == k for a in self.accepted) for k in range(self.num_draft_tokens + 1)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "drafted_tokens": sum(self.drafted),
+            "accepted_tokens": sum(self.accepted),
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_cumulative": self.acceptance_cumulative(),
+            "acceptance_conditional": self.acceptance_conditional(),
+            "accepted_histogram": self.accepted_histogram(),
+            **{name: getattr(self, name) for name in SUMMED_STATS},
+        }
+
+    @classmethod
+    def merged(cls, stats_list: list["DSparkGenerationStats"]) -> "DSparkGenerationStats":
+        """One record over several generate calls: rounds concatenated, times and counters summed."""
+        merged = cls(num_draft_tokens=stats_list[0].num_draft_tokens)
+        for stats in stats_list:
+            merged.drafted += list(stats.drafted)
+            merged.accepted += list(stats.accepted)
+            for name in SUMMED_STATS:
+                setattr(merged, name, getattr(merged, name) + getattr(stats, name))
+        return merged
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The candidate generator: one verify round at a time
+
+
+def _stops_inside_a_round(stopping_criteria: StoppingCriteriaList | None) -> StoppingCriteriaList | None:
+    """The criteria a round must check draft by draft: transformers itself cuts rounds at max length and EOS."""
+    kept = [c for c in stopping_criteria or () if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    return StoppingCriteriaList(kept) if kept else None
+
+
+def check_generation_limits(generation_config: GenerationConfig, batch_size: int | None = None):
+    """The limits of assisted generation, each as one clear error (transformers would silently beam-search)."""
+    if generation_config.num_beams > 1:
+        raise ValueError(
+            f"DSpark speculative decoding does not support beam search (num_beams={generation_config.num_beams}); use num_beams=1."
+        )
+    if generation_config.num_return_sequences > 1:
+        raise ValueError(
+            f"DSpark speculative decoding returns one sequence (num_return_sequences={generation_config.num_return_sequences}); "
+            "call generate repeatedly instead."
+        )
+    if batch_size is not None and batch_size != 1:
+        raise ValueError(f"DSpark speculative decoding supports batch size 1, got {batch_size}; call generate once per prompt.")
+
+
+def _decoding_key(target: PreTrainedModel, generation_config: GenerationConfig) -> tuple:
+    """What a draft's survival depends on besides the text: the target's dtype and the decoding settings."""
+    if not generation_config.do_sample:
+        return (str(target.dtype), "greedy")
+    return (str(target.dtype), "sample", generation_config.temperature, generation_config.top_k, generation_config.top_p)
+
+
+def make_schedule(drafter, target: PreTrainedModel, settings: DSparkDraftingSettings, do_sample: bool) -> DSparkDraftSchedule:
+    """The schedule the settings ask for: threshold / verify cost when set; else the hardware-aware schedule, priced
+    by the target's verify profile (measured on first use); else fixed length."""
+    if not settings.hardware:
+        return draft_schedule(settings.confidence_threshold, settings.verify_cost)
+    profile = drafter.drafting_state.verify_profile_for(target, settings.num_drafts)
+    # greedy verification is exact for any proposal, so the schedule may choose k after seeing the block
+    lookahead = settings.lookahead and not do_sample
+    return DSparkHardwareAwareSchedule(profile, settings.num_drafts, min_gain=settings.min_gain, lookahead=lookahead)
+
+
+class DSparkCandidateGenerator(CandidateGenerator):
+    """Feeds the drafter the aux hidden states of committed positions from each verify pass and drafts one block.
+
+    Round 0 returns the prompt unchanged so the target's prefill yields the prompt's hidden states. Afterwards the
+    positions committed since the last round (the whole prompt on round 1; the previous anchor plus the accepted
+    drafts later) are appended to the drafter's context cache, and the newest target token is the anchor.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(
+        self,
+        drafter,
+        target: PreTrainedModel,
+        input_ids: torch.LongTensor,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
+    ):
+        check_generation_limits(generation_config, batch_size=input_ids.shape[0])
+        self.drafter, self.state = drafter, drafter.drafting_state
+        check_target_compatibility(drafter.config, target)
+        if drafter.config.bind_target_embeddings and self.state.bound_target != target.config.name_or_path:
+            drafter.bind_target(target)
+        self.aux_layer_ids = list(drafter.config.aux_hidden_state_layer_ids)
+        # Ask the verify pass for exactly the aux layers; a user asking for all hidden states gets them all.
+        wants_all = generation_config.output_hidden_states and generation_config.return_dict_in_generate
+        self.model_kwargs_overrides = {"output_hidden_states": True if wants_all else self.aux_layer_ids}
+        self.do_sample = bool(generation_config.do_sample)
+        self.settings = DSparkDraftingSettings.from_drafter(drafter)
+        self.num_drafts = self.settings.num_drafts
+        self.schedule = make_schedule(drafter, target, self.settings, self.do_sample)
+        self.bias_key = _decoding_key(target, generation_config)
+        self.schedule.bias = self.state.confidence_bias.get(self.bias_key, 0.0)  # learned by earlier calls
+        # After rounds that draft nothing the drafter itself may rest (back-off); the aux rows of the rounds it
+        # skipped wait in `_pending_aux` until it runs again.
+        self.backoff = DSparkDrafterBackoff(max_skip=self.schedule.max_backoff)
+        self._pending_aux: list[torch.Tensor] = []
+        self.lookup = self._make_lookup()
+        self._lookup_ngram = 0  # n-gram size matched when this round's drafts came from prompt lookup, else 0
+        self.logits_processor = logits_processor if logits_processor else None
+        self.stopping_criteria = _stops_inside_a_round(stopping_criteria)
+        self.generation_config = generation_config  # the one `_assisted_decoding` reads each round
+        self.max_length = generation_config.max_length
+        self.cache = drafter.new_context_cache()
+        self.stats = self.state.last_stats = DSparkGenerationStats(num_draft_tokens=drafter.num_draft_tokens)
+        self._last_drafted = 0
+        self._verify_started = None
+        self._prefilled = False
+
+    def _make_lookup(self) -> DSparkPromptLookup | None:
+        """Prompt-lookup drafts (`dspark_lookup_ngram_size`). A schedule that prices rounds weighs them against the
+        drafter's, so they need one; what they learned carries over between calls of the same decoding settings."""
+        if not self.settings.lookup_ngram_size or not self.schedule.prices_rounds:
+            return None
+        lookup = DSparkPromptLookup(self.settings.lookup_ngram_size, self.num_drafts)
+        lookup.counts = self.state.lookup_counts.setdefault(self.bias_key, lookup.counts)
+        return lookup
+
+    def _end_round_at(self, max_length: int):
+        """transformers commits the accepted drafts plus a bonus token, cropped to `generation_config.max_length`,
+        which it reads each round: a stop inside the block lowers it for this round, and every round restores it."""
+        self.generation_config.max_length = max_length
+
+    def _commit_context(self, input_ids: torch.LongTensor, model_outputs: ModelOutput | None) -> bool:
+        """Append every position before the anchor that the drafter has not seen yet (aux states of the last verify).
+
+        Returns False, keeping the rows for later, when the back-off rests the drafter this round (a plain step)."""
+        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
+            raise ValueError("DSpark drafting needs the target's hidden states from the verify pass; none were returned.")
+        waiting = sum(rows.shape[1] for rows in self._pending_aux)
+        num_new = input_ids.shape[1] - 1 - self.cache.get_seq_length() - waiting
+        aux = torch.cat([model_outputs.hidden_states[i][:, :num_new] for i in self.aux_layer_ids], dim=-1)
+        if self.backoff.should_skip():
+            self._pending_aux.append(aux)
+            return False
+        if self._pending_aux:  # extend lazily, in one call, with the rounds the drafter skipped
+            aux, self._pending_aux = torch.cat(self._pending_aux + [aux], dim=1), []
+        self.drafter.extend_context(self.cache, aux.to(self.drafter.fc.weight.device))
+        return True
+
+    def _cut_at_stop(self, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> torch.LongTensor:
+        """Drafts up to the first on which a stopping criterion fires, and a round that ends on it if it is accepted.
+
+        Whether draft n is proposed depends only on the tokens before it (lossless, as for EOS)."""
+        if self.stopping_criteria is None:
+            return tokens
+        for n in range(tokens.shape[1]):
+            if bool(self.stopping_criteria(torch.cat([input_ids, tokens[:, : n + 1]], dim=-1), None).any()):
+                self._end_round_at(input_ids.shape[1] + n + 1)
+                return tokens[:, : n + 1]
+        return tokens
+
+    def _draft(self, input_ids: torch.LongTensor, budget: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Candidates (the sequence plus up to `budget` drafts) and, when sampling, the q they were drawn from."""
+        device = self.drafter.fc.weight.device
+        self.schedule.context_length = input_ids.shape[1]
+        draft = self.drafter.draft_block(
+            self.cache,
+            input_ids[0, -1].to(device),
+            num_drafts=budget,
+            do_sample=self.do_sample,
+            logits_processor=self.logits_processor,
+            input_ids=input_ids.to(device),
+            schedule=self.schedule,
+        )
+        tokens = self._cut_at_stop(input_ids, draft.token_ids.to(input_ids.device))
+        self._last_drafted = tokens.shape[1]
+        candidates = torch.cat([input_ids, tokens], dim=-1)
+        return candidates, draft.target_logits[:, : tokens.shape[1]] if self.do_sample and self._last_drafted else None
+
+    def _observe_round(self, drafter_ran: bool, first_round: bool, seconds: float):
+        """Feed the back-off and the schedule's running draft time (the first round's prompt-sized context extension
+        is no measure of a round)."""
+        if not drafter_ran:
+            return
+        self.backoff.record(self._last_drafted)
+        if not first_round:
+            self.schedule.observe_draft_time(seconds)
+
+    def _prefer_lookup(self, input_ids, budget: int, drafter_ran: bool, candidates, candidate_logits):
+        """Prompt-lookup drafts instead of the drafter's when they promise more tokens per second (both priced by the
+        schedule; the drafter's time this round is spent either way). When sampling their q is one-hot, so
+        speculative sampling accepts a lookup draft x with probability p(x): still lossless."""
+        tokens, ngram = self.lookup.propose(input_ids, budget)
+        if not ngram:
+            return candidates, candidate_logits
+        self.schedule.context_length = input_ids.shape[1]
+        k, rate = self.schedule.best_plan(self.lookup.survivals(ngram, tokens.shape[0]), drafter_ran)
+        own = self.schedule.best_plan(self.schedule.admitted_survivals()[: self._last_drafted] if drafter_ran else [], drafter_ran)
+        if k == 0 or rate <= own[1]:
+            return candidates, candidate_logits
+        self._end_round_at(self.max_length)  # undo a stop cut of the drafter's block
+        tokens = self._cut_at_stop(input_ids, tokens[None, :k].to(input_ids.device))
+        self._last_drafted, self._lookup_ngram = tokens.shape[1], ngram
+        if not self.do_sample or not self._last_drafted:
+            return torch.cat([input_ids, tokens], dim=-1), None
+        one_hot = torch.full((1, tokens.shape[1], self.drafter.config.vocab_size), -math.inf, device=input_ids.device)
+        return torch.cat([input_ids, tokens], dim=-1), one_hot.scatter_(-1, tokens[..., None], 0.0)
+
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict[str, Any] | None = None,
+        model_outputs: ModelOutput | None = None,
+        is_first_iteration: bool = False,
+        n_last_matches: int = 0,
+        **kwargs,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        start = time.perf_counter()
+        self._last_drafted = 0
+        if is_first_iteration:
+            self._verify_started = time.perf_counter()
+            return input_ids, None
+        first_round = self.cache.get_seq_length() == 0
+        candidates, candidate_logits = input_ids, None
+        self._lookup_ngram = 0
+        drafter_runs = self._commit_context(input_ids, model_outputs)
+        budget = min(self.num_drafts, self.max_length - input_ids.shape[1] - 1)
+        if drafter_runs and budget > 0:
+            candidates, candidate_logits = self._draft(input_ids, budget)
+        self._observe_round(drafter_runs and budget > 0, first_round, time.perf_counter() - start)
+        if self.lookup is not None and budget > 0:
+            candidates, candidate_logits = self._prefer_lookup(input_ids, budget, drafter_runs, candidates, candidate_logits)
+        self.stats.draft_time_s += time.perf_counter() - start
+        self._verify_started = time.perf_counter()
+        return candidates, candidate_logits
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        self._end_round_at(self.max_length)  # undo a stop's round cut (see `_cut_at_stop`)
+        if self._verify_started is not None:
+            elapsed = time.perf_counter() - self._verify_started
+            self.stats.verify_time_s += elapsed
+            if self._prefilled:
+                self.schedule.observe_verify_time(self._last_drafted, input_ids.shape[1], elapsed)
+        if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
+            self.stats.drafted.append(self._last_drafted)
+            self.stats.accepted.append(int(num_matches))
+            if self._lookup_ngram:
+                self._learn_lookup(int(num_matches))
+            elif self._last_drafted:
+                self._learn_confidence_bias(int(num_matches))
+        self._prefilled = True
+
+    def _learn_lookup(self, num_accepted: int):
+        self.lookup.observe(self._lookup_ngram, self._last_drafted, num_accepted)
+        self.stats.lookup_rounds += 1
+        self.stats.lookup_drafted += self._last_drafted
+        self.stats.lookup_accepted += min(num_accepted, self._last_drafted)
+
+    def _learn_confidence_bias(self, num_accepted: int):
+        """Feed this round's verified drafts to a schedule that learns from them, count them in the stats, and keep
+        its bias on the drafter for the next call."""
+        outcome = self.schedule.observe_outcome(self._last_drafted, num_accepted)
+        if outcome is None:
+            return
+        predicted, observed, verified = outcome
+        self.stats.confidence_predicted += predicted
+        self.stats.confidence_observed += observed
+        self.stats.confidence_verified += verified
+        self.state.confidence_bias[self.bias_key] = self.schedule.bias
+
+
+__all__ = [
+    "DSparkCandidateGenerator",
+    "DSparkDraftingSettings",
+    "DSparkDraftingState",
+    "DSparkGenerationStats",
+    "make_schedule",
+]

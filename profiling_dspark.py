@@ -1,0 +1,245 @@
+# Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
+"""The target's verify cost t(k): how long one verify pass over k drafts takes on this machine.
+
+Remote-code file (imports only torch and transformers). The hardware-aware schedule (`scheduling_dspark.py`) ranks
+draft lengths by expected committed tokens per second, so it needs t(k) for the target as it runs here: measured
+once per target, device, dtype and torch version (the profile key), and stored as JSON under the Hugging Face cache
+home so later processes reuse it. Reading order: key and device probe → the profile → timing → load and store.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+PROFILE_FORMAT = "dspark-verify-profile/2"  # /2: every k measured, no envelope (older files are re-measured)
+PROFILE_CONTEXT_LENGTHS = (128, 512)  # context lengths measured; others are interpolated
+PROFILE_REPEATS = 4  # timed repetitions per (context, k), after one warm-up pass
+PROFILE_MAX_SPREAD = 0.25  # a timing whose interquartile spread exceeds this fraction of its median is noise
+PROFILE_TYPICAL_SPREAD = 0.10  # ... and a profile whose median spread exceeds this fraction cannot rank k
+
+
+@functools.cache
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "cpu")
+    except OSError:
+        return "cpu"
+
+
+def _device_description(device: torch.device) -> str:
+    """What the timings belong to: the accelerator's name, or the CPU model and torch's thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        return device.type
+    return f"{_cpu_name()}, {torch.get_num_threads()} thread(s)"
+
+
+def verify_profile_key(target: PreTrainedModel) -> dict[str, str]:
+    """Everything a verify timing depends on; a profile whose key differs is never used."""
+    config = target.config.to_dict()
+    for volatile in ("_name_or_path", "name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash"):
+        config.pop(volatile, None)
+    config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    device = target.device
+    return {
+        "target": str(target.config.name_or_path or type(target).__name__),
+        "revision": str(getattr(target.config, "_commit_hash", None) or ""),
+        "config_sha256": config_hash,
+        "device": device.type,
+        "device_name": _device_description(device),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+    }
+
+
+def verify_profile_path(key: dict[str, str]) -> str:
+    """`<HF_HOME>/dspark/profiles/<target>-<hash of the key>.json` (HF_HOME read at call time)."""
+    from huggingface_hub import constants  # ships with transformers
+
+    home = os.path.expanduser(os.environ.get("HF_HOME") or constants.HF_HOME)
+    slug = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in key["target"].split("/")[-1])[:64]
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(home, "dspark", "profiles", f"{slug}-{digest}.json")
+
+
+@dataclass
+class DSparkVerifyProfile:
+    """t(k): seconds of one verify pass over k drafts (a forward of k+1 tokens on a cached context), per context."""
+
+    key: dict[str, str]
+    context_lengths: list[int]
+    verify_time_s: list[list[float]]  # [context][k] median over repeats
+    spread_s: list[list[float]]  # [context][k] interquartile range over repeats
+    noisy: bool = False
+    measured_in_s: float = 0.0
+
+    @property
+    def max_drafts(self) -> int:
+        return len(self.verify_time_s[0]) - 1
+
+    def verify_time(self, num_drafts: int, context_length: int) -> float:
+        """t(k) at this context length: linear between measured lengths, the nearest one outside them."""
+        lengths, times = self.context_lengths, [row[num_drafts] for row in self.verify_time_s]
+        if context_length <= lengths[0]:
+            return times[0]
+        for i in range(1, len(lengths)):
+            if context_length <= lengths[i]:
+                w = (context_length - lengths[i - 1]) / (lengths[i] - lengths[i - 1])
+                return times[i - 1] + w * (times[i] - times[i - 1])
+        return times[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, **{name: getattr(self, name) for name in self.__dataclass_fields__}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DSparkVerifyProfile":
+        """Raises ValueError on anything that is not a well-formed profile."""
+        if not isinstance(data, dict) or not str(data.get("format", "")).startswith(PROFILE_FORMAT.split("/")[0]):
+            raise ValueError("not a DSpark verify profile")
+        if data["format"] != PROFILE_FORMAT:
+            raise ValueError(f"format {data['format']}, this DSpark reads {PROFILE_FORMAT}")
+        profile = cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
+        rows = profile.verify_time_s + profile.spread_s
+        if (
+            not profile.context_lengths
+            or len(profile.verify_time_s) != len(profile.context_lengths)
+            or len(profile.spread_s) != len(profile.context_lengths)
+            or len({len(row) for row in rows}) != 1
+            or not all(isinstance(t, (int, float)) and t >= 0 for row in rows for t in row)
+        ):
+            raise ValueError("malformed timings")
+        return profile
+
+
+def _is_noisy(times: list[float], spreads: list[float]) -> bool:
+    """Too noisy to rank k: one timing's spread wider than PROFILE_MAX_SPREAD of its median, or the typical (median)
+    spread wider than PROFILE_TYPICAL_SPREAD. A consistent inversion, t(k+1) < t(k) with tight spreads, is no noise:
+    a CPU picks another matmul kernel for 3 rows than for 4 (fp32 on a 2-core EPYC: 3 tokens verify slower than 4),
+    and the schedule should know it."""
+    relative = sorted(s / t for t, s in zip(times, spreads))
+    return relative[-1] > PROFILE_MAX_SPREAD or relative[len(relative) // 2] > PROFILE_TYPICAL_SPREAD
+
+
+def _synchronize(device: torch.device):
+    if device.type != "cpu" and hasattr(torch, device.type):
+        getattr(torch, device.type).synchronize()
+
+
+@torch.no_grad()
+def _time_verify_passes(target, tokens: torch.Tensor, length: int, counts: list[int], repeats: int) -> list[list[float]]:
+    """Seconds of each forward of k+1 tokens after `length` cached ones, `repeats` times per k in `counts`, as a
+    verify pass runs (aux hidden states requested, cache cropped back). The k order rotates each repetition so a
+    slow moment of a shared machine lands on every k alike; repetition 0 warms up and is dropped."""
+    device = target.device
+    prefill = target(input_ids=tokens[:, :length], use_cache=True)
+    cache = getattr(prefill, "cache", None) or prefill.past_key_values
+    samples: list[list[float]] = [[] for _ in counts]
+    for repeat in range(repeats + 1):
+        shift = repeat % len(counts)
+        for i in list(range(len(counts)))[shift:] + list(range(len(counts)))[:shift]:
+            k = counts[i]
+            _synchronize(device)
+            start = time.perf_counter()
+            target(input_ids=tokens[:, length : length + k + 1], cache=cache, use_cache=True, output_hidden_states=True)
+            _synchronize(device)
+            if repeat:
+                samples[i].append(time.perf_counter() - start)
+            cache.crop(-(k + 1))
+    return samples
+
+
+def measure_verify_profile(
+    target: PreTrainedModel,
+    max_drafts: int,
+    context_lengths: tuple[int, ...] = PROFILE_CONTEXT_LENGTHS,
+    repeats: int = PROFILE_REPEATS,
+) -> DSparkVerifyProfile:
+    """t(k) for every k = 0..max_drafts at each context length, on random tokens: the median of `repeats` timings
+    and their interquartile spread; marked noisy when the timings cannot rank k (see `_is_noisy`). Every k is timed,
+    none interpolated: on CPUs t(k) is not even monotone (small-matrix kernels change with the row count)."""
+    started = time.perf_counter()
+    text_config = target.config.get_text_config()
+    limit = getattr(text_config, "max_position_embeddings", None) or max(context_lengths) + max_drafts + 1
+    lengths = sorted({max(1, min(length, limit - max_drafts - 1)) for length in context_lengths})
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, text_config.vocab_size, (1, lengths[-1] + max_drafts + 1), generator=generator)
+    tokens = tokens.to(target.device)
+    counts = list(range(max_drafts + 1))
+    medians, spreads, noisy = [], [], False
+    for length in lengths:
+        ordered = [sorted(s) for s in _time_verify_passes(target, tokens, length, counts, repeats)]
+        times = [s[(len(s) - 1) // 2] for s in ordered]
+        spread = [s[(3 * len(s) - 1) // 4] - s[len(s) // 4] for s in ordered]  # robust to one outlier in four
+        noisy = noisy or _is_noisy(times, spread)
+        medians.append(times)
+        spreads.append(spread)
+    return DSparkVerifyProfile(verify_profile_key(target), lengths, medians, spreads, noisy, time.perf_counter() - started)
+
+
+def load_or_measure_verify_profile(target: PreTrainedModel, max_drafts: int, remeasure: bool = False) -> DSparkVerifyProfile:
+    """The stored profile for this target, device, dtype and torch version; measured (and stored) when missing,
+    foreign, corrupt or covering fewer drafts. A bad file costs one warning line, never an error."""
+    key = verify_profile_key(target)
+    path = verify_profile_path(key)
+    profile = None if remeasure else _read_stored_profile(path, key)
+    if profile is None or profile.max_drafts < max_drafts:
+        profile = measure_verify_profile(target, max_drafts)
+        logger.warning(
+            f"DSpark measured the target's verify cost for 0..{max_drafts} drafts in {profile.measured_in_s:.1f} s"
+            f"{' (too noisy to rank draft lengths: falling back to the confidence threshold)' if profile.noisy else ''};"
+            f" stored in {path}."
+        )
+        store_verify_profile(profile, path)
+    return profile
+
+
+def _read_stored_profile(path: str, key: dict[str, str]) -> DSparkVerifyProfile | None:
+    """The profile stored at `path` if it is well formed and belongs to `key`; None (with one warning) otherwise."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as file:
+            profile = DSparkVerifyProfile.from_dict(json.load(file))
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        logger.warning(f"DSpark verify profile {path} is unreadable ({error}); re-measuring.")
+        return None
+    if profile.key != key:
+        logger.warning(f"DSpark verify profile {path} belongs to another target/device/dtype/torch; re-measuring.")
+        return None
+    return profile
+
+
+def store_verify_profile(profile: DSparkVerifyProfile, path: str):
+    """Write atomically; an unwritable cache home only loses the reuse, not the profile."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        staging = f"{path}.{os.getpid()}.tmp"
+        with open(staging, "w") as file:
+            json.dump(profile.to_dict(), file, indent=1)
+        os.replace(staging, path)
+    except OSError as error:
+        logger.warning(f"DSpark could not store the verify profile at {path} ({error}); it will be measured again.")
+
+
+__all__ = [
+    "DSparkVerifyProfile",
+    "load_or_measure_verify_profile",
+    "measure_verify_profile",
+    "store_verify_profile",
+    "verify_profile_key",
+    "verify_profile_path",
+]
