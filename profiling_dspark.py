@@ -162,6 +162,12 @@ def _time_verify_passes(target, tokens: torch.Tensor, length: int, counts: list[
     return samples
 
 
+def _median_and_spread(samples: list[list[float]]) -> tuple[list[float], list[float]]:
+    """Per k: the median timing and the interquartile spread (robust to one outlier in four)."""
+    ordered = [sorted(s) for s in samples]
+    return [s[(len(s) - 1) // 2] for s in ordered], [s[(3 * len(s) - 1) // 4] - s[len(s) // 4] for s in ordered]
+
+
 def measure_verify_profile(
     target: PreTrainedModel,
     max_drafts: int,
@@ -181,9 +187,7 @@ def measure_verify_profile(
     counts = list(range(max_drafts + 1))
     medians, spreads, noisy = [], [], False
     for length in lengths:
-        ordered = [sorted(s) for s in _time_verify_passes(target, tokens, length, counts, repeats)]
-        times = [s[(len(s) - 1) // 2] for s in ordered]
-        spread = [s[(3 * len(s) - 1) // 4] - s[len(s) // 4] for s in ordered]  # robust to one outlier in four
+        times, spread = _median_and_spread(_time_verify_passes(target, tokens, length, counts, repeats))
         noisy = noisy or _is_noisy(times, spread)
         medians.append(times)
         spreads.append(spread)
@@ -207,13 +211,14 @@ def load_or_measure_verify_profile(target: PreTrainedModel, max_drafts: int, rem
     return profile
 
 
-def _read_stored_profile(path: str, key: dict[str, str]) -> DSparkVerifyProfile | None:
-    """The profile stored at `path` if it is well formed and belongs to `key`; None (with one warning) otherwise."""
+def _read_stored_profile(path: str, key: dict[str, str], kind: type = DSparkVerifyProfile):
+    """The `kind` of profile stored at `path` if it is well formed and belongs to `key`; None (with one warning)
+    otherwise."""
     if not os.path.isfile(path):
         return None
     try:
         with open(path) as file:
-            profile = DSparkVerifyProfile.from_dict(json.load(file))
+            profile = kind.from_dict(json.load(file))
     except (OSError, ValueError, TypeError, KeyError) as error:
         logger.warning(f"DSpark verify profile {path} is unreadable ({error}); re-measuring.")
         return None
@@ -235,8 +240,117 @@ def store_verify_profile(profile: DSparkVerifyProfile, path: str):
         logger.warning(f"DSpark could not store the verify profile at {path} ({error}); it will be measured again.")
 
 
+
+# ------------------------------------------------------------------------------------------------------------------
+# The batch axis: t(B, w), one verify pass of a padded width w for B rows, at one context length.
+
+BATCH_PROFILE_FORMAT = "dspark-batch-verify-profile/2"  # /2: widths measured sparsely, interpolated
+BATCH_PROFILE_SIZES = (1, 4, 16)  # batch sizes measured; others are interpolated (beyond: proportional)
+BATCH_PROFILE_WIDTHS = (0, 1, 3, 7)  # widths measured (capped at the drafter's block); others are interpolated
+BATCH_PROFILE_CONTEXT = 64  # short: a batch's prefill of long contexts would cost more than the timings
+BATCH_PROFILE_REPEATS = 2
+
+
+@dataclass
+class DSparkBatchVerifyProfile:
+    """t(B, w): seconds of one verify pass over w drafts for each of B rows (a forward of B × (w + 1) tokens)."""
+
+    key: dict[str, str]
+    batch_sizes: list[int]
+    widths: list[int]
+    context_length: int
+    verify_time_s: list[list[float]]  # [batch size][width] median over repeats
+    spread_s: list[list[float]]
+    noisy: bool = False
+    measured_in_s: float = 0.0
+
+    @property
+    def max_drafts(self) -> int:
+        return self.widths[-1]
+
+    def verify_time(self, batch_size: int, width: int) -> float:
+        """t(B, w): linear between measured widths and batch sizes, proportional to B beyond the largest."""
+        by_size = [_interpolate(self.widths, row, min(width, self.max_drafts)) for row in self.verify_time_s]
+        if batch_size > self.batch_sizes[-1]:
+            return by_size[-1] * batch_size / self.batch_sizes[-1]
+        return _interpolate(self.batch_sizes, by_size, batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": BATCH_PROFILE_FORMAT, **{name: getattr(self, name) for name in self.__dataclass_fields__}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DSparkBatchVerifyProfile":
+        """Raises ValueError on anything that is not a well-formed batch profile."""
+        if not isinstance(data, dict) or data.get("format") != BATCH_PROFILE_FORMAT:
+            raise ValueError(f"not a {BATCH_PROFILE_FORMAT} profile")
+        profile = cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
+        rows = profile.verify_time_s + profile.spread_s
+        if (not profile.batch_sizes or len(profile.verify_time_s) != len(profile.batch_sizes)
+                or {len(row) for row in rows} != {len(profile.widths)} or not all(t >= 0 for row in rows for t in row)):
+            raise ValueError("malformed timings")
+        return profile
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    """ys at x, linear between the measured xs, the nearest one outside them."""
+    if x <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            return ys[i - 1] + (x - xs[i - 1]) / (xs[i] - xs[i - 1]) * (ys[i] - ys[i - 1])
+    return ys[-1]
+
+
+def measure_batch_verify_profile(
+    target: PreTrainedModel,
+    max_drafts: int,
+    batch_sizes: tuple[int, ...] = BATCH_PROFILE_SIZES,
+    context_length: int = BATCH_PROFILE_CONTEXT,
+    repeats: int = BATCH_PROFILE_REPEATS,
+) -> DSparkBatchVerifyProfile:
+    """t(B, w) at a few widths up to max_drafts and a few batch sizes, on random tokens after `context_length` cached
+    ones (a first batched call waits for it: a few seconds on a CPU)."""
+    started = time.perf_counter()
+    text_config = target.config.get_text_config()
+    limit = getattr(text_config, "max_position_embeddings", None) or context_length + max_drafts + 1
+    length = max(1, min(context_length, limit - max_drafts - 1))
+    generator = torch.Generator().manual_seed(0)
+    counts = sorted({min(w, max_drafts) for w in BATCH_PROFILE_WIDTHS} | {max_drafts})
+    medians, spreads, noisy = [], [], False
+    for size in batch_sizes:
+        tokens = torch.randint(0, text_config.vocab_size, (size, length + max_drafts + 1), generator=generator)
+        times, spread = _median_and_spread(_time_verify_passes(target, tokens.to(target.device), length, counts, repeats))
+        noisy = noisy or _is_noisy(times, spread)
+        medians.append(times)
+        spreads.append(spread)
+    return DSparkBatchVerifyProfile(batch_profile_key(target), list(batch_sizes), counts, length, medians, spreads,
+                                    noisy, time.perf_counter() - started)
+
+
+def batch_profile_key(target: PreTrainedModel) -> dict[str, str]:
+    """The verify profile's key, marked as the batch axis (stored beside it, never mistaken for it)."""
+    return {**verify_profile_key(target), "axis": "batch"}
+
+
+def load_or_measure_batch_verify_profile(target: PreTrainedModel, max_drafts: int) -> DSparkBatchVerifyProfile:
+    """The stored batch profile for this target, device, dtype and torch version; measured and stored when missing,
+    foreign, corrupt or covering fewer drafts (one warning line, never an error)."""
+    key = batch_profile_key(target)
+    path = verify_profile_path(key)
+    profile = _read_stored_profile(path, key, DSparkBatchVerifyProfile)
+    if profile is None or profile.max_drafts < max_drafts:
+        profile = measure_batch_verify_profile(target, max_drafts)
+        logger.warning(f"DSpark measured the target's batched verify cost (batch sizes {profile.batch_sizes}, 0..{max_drafts}"
+                       f" drafts) in {profile.measured_in_s:.1f} s; stored in {path}.")
+        store_verify_profile(profile, path)
+    return profile
+
+
 __all__ = [
+    "DSparkBatchVerifyProfile",
     "DSparkVerifyProfile",
+    "load_or_measure_batch_verify_profile",
+    "measure_batch_verify_profile",
     "load_or_measure_verify_profile",
     "measure_verify_profile",
     "store_verify_profile",

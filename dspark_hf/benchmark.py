@@ -40,14 +40,15 @@ import torch
 
 from . import DSparkContextCache
 from .evaluation import drafter_name, live_acceptance_over_calls, live_curve, load_drafter, plot_acceptance
-from .prompts import domain_prompts, encode_prompt, long_context
+from .prompts import domain_prompts, encode_batches, encode_prompt, long_context
 from .reporting import emit_report, machine_description, set_threads
 from .targets import add_target_argument, load_target, resolve_target
-from .timing import timed_generate, timed_generation
+from .timing import timed_batch_generation, timed_generation
 
 ALL_METHODS = ["plain", "plain-reseeded", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark", "dspark-conf"]
 RESEEDED_SEED_OFFSET = 500_000  # plain-reseeded samples with seeds no other method uses
 DEFAULT_METHODS = ["plain", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark"]
+ONE_ROW_METHODS = ["assisted-lm", "prompt-lookup"]  # transformers serves these one prompt at a time
 
 
 def truncated_assistant(target, num_layers: int):
@@ -111,6 +112,8 @@ def load_methods(args, target, dtype) -> tuple[list[str], dict[str, Any]]:
     """The methods to run and the models they need. `dspark` keeps the drafter's shipped generation config (its
     schedule); `dspark-fixed` always drafts the whole block; `dspark-conf` uses a survival threshold."""
     methods = [m for m in args.methods if m != "dflash" or args.dflash]  # the DFlash baseline runs when given
+    if args.batch_size > 1:
+        methods = [m for m in methods if m not in ONE_ROW_METHODS]
     models: dict[str, Any] = {}
     if "assisted-lm" in methods:
         models["assistant"] = truncated_assistant(target, args.assistant_layers)
@@ -141,9 +144,11 @@ def _length(args) -> dict[str, int]:
 
 
 def run_methods(target, encoded, methods, models, args, do_sample: bool) -> dict[str, dict[str, Any]]:
-    """Every method on every prompt, repetitions interleaved (rep → prompt → method, order rotated each rep)."""
+    """Every method on every prompt (or batch of prompts, `--batch-size`), repetitions interleaved (rep → prompt →
+    method, order rotated each rep)."""
+    timed_call = timed_batch_generation if args.batch_size > 1 else timed_generation
     for m in methods:  # warm-up: one short call each
-        timed_generate(target, encoded[0], 8, do_sample, 0, **_method_kwargs(m, models, args))
+        timed_call(target, encoded[0], 8, do_sample, 0, **_method_kwargs(m, models, args))
     counters = ("tokens", "seconds", "decode_tokens", "decode_seconds")
     runs = {m: {**{c: [0] * args.repetitions for c in counters}, "stats": [], "outputs": []} for m in methods}
     for rep in range(args.repetitions):
@@ -151,8 +156,8 @@ def run_methods(target, encoded, methods, models, args, do_sample: bool) -> dict
         for i, inputs in enumerate(encoded):
             for m in order:
                 seed = 1000 * rep + i + (RESEEDED_SEED_OFFSET if m == "plain-reseeded" else 0)
-                timed = timed_generation(target, inputs, args.max_new_tokens, do_sample, seed, **_length(args),
-                                         **_method_kwargs(m, models, args))
+                timed = timed_call(target, inputs, args.max_new_tokens, do_sample, seed, **_length(args),
+                                   **_method_kwargs(m, models, args))
                 for c, value in zip(counters, (timed.tokens.numel(), timed.seconds, timed.decode_tokens, timed.decode_seconds)):
                     runs[m][c][rep] += value
                 if rep == 0:
@@ -192,7 +197,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     methods, models = load_methods(args, target, getattr(torch, args.drafter_dtype))
     report: dict[str, Any] = {
         "machine": machine_description(), "dtype": args.dtype, "drafter_dtype": args.drafter_dtype, "split": args.split,
-        "max_new_tokens": args.max_new_tokens, "fixed_length": args.fixed_length,
+        "max_new_tokens": args.max_new_tokens, "fixed_length": args.fixed_length, "batch_size": args.batch_size,
         "repetitions": args.repetitions, "drafter": drafter_name(args.model),
         "assistant": f"{target.name_or_path} truncated to its first {args.assistant_layers} of {target.config.num_hidden_layers} "
                      "layers + final norm + LM head (untrained), transformers' default assistant settings",
@@ -201,11 +206,13 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     }
     first_prompt = None
     for spec in args.prompts:
-        encoded = [encode_prompt(tokenizer, p) for p in domain_prompts(spec, args.split, args.num_prompts)]
-        first_prompt = first_prompt or encoded[0]
-        modes = {mode: summarize_runs(run_methods(target, encoded, methods, models, args, mode == "sample"), mode == "sample")
+        prompts = domain_prompts(spec, args.split, args.num_prompts)
+        first_prompt = first_prompt or encode_prompt(tokenizer, prompts[0])
+        calls = encode_batches(tokenizer, prompts, args.batch_size) if args.batch_size > 1 else [
+            encode_prompt(tokenizer, p) for p in prompts]
+        modes = {mode: summarize_runs(run_methods(target, calls, methods, models, args, mode == "sample"), mode == "sample")
                  for mode in args.modes}
-        report["domains"][spec] = {"prompts": len(encoded), "modes": modes}
+        report["domains"][spec] = {"prompts": len(prompts), "calls": len(calls), "modes": modes}
     for name, key in (("dspark", "dspark"), ("dspark-fixed", "dspark"), ("dflash", "dflash")):  # one per drafter
         if name in models and f"{key}_overhead" not in report:
             context = long_context([first_prompt], args.overhead_context) if args.overhead_context else first_prompt
@@ -230,7 +237,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"machine: {report['machine']}", f"drafter: {report['drafter']}",
              f"dtype: {report['dtype']} (drafters: {report.get('drafter_dtype', report['dtype'])})   "
              f"max_new_tokens: {report['max_new_tokens']}{' (fixed length, EOS ignored)' if report.get('fixed_length') else ''}"
-             f"   repetitions: {report['repetitions']} (interleaved, median)",
+             f"   repetitions: {report['repetitions']} (interleaved, median)   batch size: {report.get('batch_size', 1)}"
+             f"{' (left-padded; one-row methods left out; whole calls, no decode split)' if report.get('batch_size', 1) > 1 else ''}",
              f"assisted-lm = {report['assistant']}",
              f"prompt-lookup: prompt_lookup_num_tokens={report['prompt_lookup_num_tokens']}; "
              f"dspark-conf: confidence threshold {report['confidence_threshold']}"]
@@ -242,12 +250,15 @@ def format_report(report: dict[str, Any]) -> str:
             for m, r in rows.items():
                 tau = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
                 drafts = f"{r['mean_drafts_per_round']:.2f}" if "mean_drafts_per_round" in r else "-"
-                same = f"{r['identical_to_plain']}/{result['prompts']}" if "identical_to_plain" in r else "-"
+                same = f"{r['identical_to_plain']}/{result.get('calls', result['prompts'])}" if "identical_to_plain" in r else "-"
                 # the schedule's (recalibrated) confidence against the survival verification then observed
                 live = (f"{r['live_confidence_mean']:.2f}/{r['live_acceptance_rate']:.2f}"
                         if "live_confidence_mean" in r else "-")
+                widths = (f"   width {r['mean_width']:.2f}, plain steps {r['plain_step_share']:.0%}"
+                          if "mean_width" in r else "")  # batched: what the schedule chose per batch round
                 lines.append(f"{m:<14}{r['tokens_per_s']:>8.1f}{r.get('speedup_vs_plain', float('nan')):>9.2f}"
-                             f"{r.get('decode_speedup_vs_plain', float('nan')):>10.2f}{tau:>8}{drafts:>10}{same:>10}{live:>15}")
+                             f"{r.get('decode_speedup_vs_plain', float('nan')):>10.2f}{tau:>8}{drafts:>10}{same:>10}{live:>15}"
+                             f"{widths}")
     lines += ["", "summary: DSpark (shipped generation config) × plain generate per domain", *summary_table(report)]
     for key in ("dspark_overhead", "dflash_overhead"):
         o = report.get(key)
@@ -297,6 +308,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--split (use all for a corpus never trained on), TURNS > 1 keeps that many user turns of history")
     parser.add_argument("--split", default="test", choices=["train", "validation", "test", "all"])
     parser.add_argument("--num-prompts", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="prompts per generate call, left-padded (batched speculation; default: one at a time)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--fixed-length", action="store_true",

@@ -145,6 +145,9 @@ def live_acceptance(stats) -> dict[str, Any]:
     if verified and getattr(stats, "confidence_predicted", 0.0):  # the hardware schedule's recalibrated confidences
         live_calibration = {"live_confidence_mean": stats.confidence_predicted / verified,
                             "live_acceptance_rate": stats.confidence_observed / verified}
+    if getattr(stats, "widths", None):  # batched generation: the width the schedule chose for each batch round
+        live_calibration.update(batch_rounds=len(stats.widths), mean_width=sum(stats.widths) / len(stats.widths),
+                                plain_step_share=sum(w == 0 for w in stats.widths) / len(stats.widths))
     if getattr(stats, "lookup_rounds", 0):
         live_calibration.update(lookup_rounds=stats.lookup_rounds, lookup_drafted=stats.lookup_drafted,
                                 lookup_accepted=stats.lookup_accepted)

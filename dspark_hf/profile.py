@@ -14,7 +14,12 @@ from typing import Any
 
 import torch
 
-from .remote_code.profiling_dspark import measure_verify_profile, store_verify_profile, verify_profile_path
+from .remote_code.profiling_dspark import (
+    measure_batch_verify_profile,
+    measure_verify_profile,
+    store_verify_profile,
+    verify_profile_path,
+)
 from .reporting import emit_report
 from .targets import add_target_argument, load_target_model
 
@@ -28,7 +33,12 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     measured = measure_verify_profile(target, args.max_drafts, tuple(args.contexts), args.repeats)
     path = verify_profile_path(measured.key)
     store_verify_profile(measured, path)
-    return {"path": path, **measured.to_dict()}
+    report = {"path": path, **measured.to_dict()}
+    if args.batch_sizes:  # the batch axis t(B, w) of batched generation
+        batch = measure_batch_verify_profile(target, args.max_drafts, tuple(sorted(set(args.batch_sizes))))
+        report["batch"] = {"path": verify_profile_path(batch.key), **batch.to_dict()}
+        store_verify_profile(batch, report["batch"]["path"])
+    return report
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -48,7 +58,20 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("NOISY: the timings cannot rank k on this machine now; drafting falls back to the confidence "
                      "threshold rule. Re-run on a quieter machine to use the hardware-aware schedule.")
     lines.append(f"stored in {report['path']}")
+    if "batch" in report:
+        lines += format_batch_table(report["batch"])
     return "\n".join(lines)
+
+
+def format_batch_table(batch: dict[str, Any]) -> list[str]:
+    """t(B, w) per batch size and measured width, and each as a multiple of the batch's plain step t(B, 0)."""
+    lines = ["", f"batched verify cost t(B, w) of width w for B rows, context {batch['context_length']}, measured in "
+                 f"{batch['measured_in_s']:.1f} s",
+             "  B | " + " | ".join(f"w = {w}: ms (× t(B, 0))".ljust(22) for w in batch["widths"])]
+    for size, times in zip(batch["batch_sizes"], batch["verify_time_s"]):
+        lines.append(f"{size:>3} | " + " | ".join(f"{1e3 * t:8.2f} ({t / times[0]:4.2f}×)".ljust(22) for t in times))
+    lines.append(f"stored in {batch['path']}")
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512], help="context lengths measured")
     parser.add_argument("--repeats", type=int, default=4, help="timed repetitions per (context, k)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (part of a CPU profile's identity)")
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=None, metavar="B",
+                        help="also measure the batch axis t(B, w) at these batch sizes, e.g. 1 4 16 (batched generation)")
     parser.add_argument("--json", nargs="?", const="-", default=None, help="also write the report as JSON (file or '-')")
 
 

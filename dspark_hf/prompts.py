@@ -74,6 +74,17 @@ def encode_prompt(tokenizer, messages: list[dict], device="cpu") -> dict[str, to
     return {"input_ids": ids["input_ids"].to(device), "attention_mask": ids["attention_mask"].to(device)}
 
 
+def encode_batches(tokenizer, prompts: list[list[dict]], batch_size: int, device="cpu") -> list[dict[str, torch.Tensor]]:
+    """`generate`'s inputs for batches of `batch_size` chats in order, each left-padded (the last may be smaller)."""
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    batches = []
+    for start in range(0, len(texts), batch_size):
+        encoded = tokenizer(texts[start : start + batch_size], padding=True, padding_side="left", return_tensors="pt",
+                            add_special_tokens=False)
+        batches.append({"input_ids": encoded["input_ids"].to(device), "attention_mask": encoded["attention_mask"].to(device)})
+    return batches
+
+
 def long_context(encoded: list[dict[str, torch.Tensor]], length: int) -> dict[str, torch.Tensor]:
     """`length` tokens of the encoded prompts repeated end to end: a context as long as asked, for timing a drafting
     round against a verify pass at that length."""
@@ -82,4 +93,4 @@ def long_context(encoded: list[dict[str, torch.Tensor]], length: int) -> dict[st
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-__all__ = ["DEFAULT_PROMPT_SOURCES", "conversation_prompts", "domain_prompts", "encode_prompt", "held_out_prompts", "long_context"]
+__all__ = ["DEFAULT_PROMPT_SOURCES", "conversation_prompts", "domain_prompts", "encode_batches", "encode_prompt", "held_out_prompts", "long_context"]

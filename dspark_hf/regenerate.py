@@ -206,7 +206,7 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], settings: dict,
     stop_ids = _stop_ids(model, tokenizer)
     cache, rows, replies = DynamicCache(config=model.config), torch.arange(len(prompts)), [[] for _ in prompts]
     left, device = settings["max_new_tokens"], input_device(model)
-    if not _rows_can_leave(cache):
+    if not _rows_can_leave(cache) or "assistant_model" in settings:  # a drafter's batched loop drops rows itself
         chunk_tokens = left
     while left > 0:
         step = min(chunk_tokens, left)
@@ -299,7 +299,7 @@ def _prompt_budget(max_length: int | None, max_new_tokens: int) -> int | None:
 def regenerate_conversations(model, tokenizer, conversations: list[dict], output: str | os.PathLike,
                              max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                              batch_size: int | None = None, progress: bool = True, max_length: int | None = None,
-                             max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> int:
+                             max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, drafter=None) -> int:
     """Regenerate every assistant turn of `conversations` into `output` (messages JSONL with `id`); resumes.
 
     Each prompt is the conversation so far, bounded to `max_length - max_new_tokens` tokens (default `max_length`: the
@@ -308,7 +308,9 @@ def regenerate_conversations(model, tokenizer, conversations: list[dict], output
     new turns differ in length), so a row's cached keys would sit at other columns than its new prompt, and transformers
     has no per-row cache crop; batched prompts are re-encoded, bounded by the same budget, and split by length so no
     generate call pads more than `max_batch_tokens` tokens (`length_groups`). `batch_size` None picks
-    `default_batch_size`. Progress counts replies (turns); with `progress`, the tokens/s is printed at the end.
+    `default_batch_size`. Progress counts replies (turns); with `progress`, the tokens/s is printed at the end. A
+    DSpark `drafter` speeds every call up by batched speculation (greedy replies identical; each reply is generated
+    whole, the loop dropping finished rows itself, and a single conversation re-encodes its prompt each turn).
     Returns the number of conversations written by this call.
     """
     from .data import check_chat_template
@@ -320,6 +322,8 @@ def regenerate_conversations(model, tokenizer, conversations: list[dict], output
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     settings = _sampling(max_new_tokens, temperature, top_p, tokenizer.pad_token_id)
+    if drafter is not None:
+        settings["assistant_model"] = drafter
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     done = _read_done(output)
@@ -336,14 +340,7 @@ def regenerate_conversations(model, tokenizer, conversations: list[dict], output
             # Seeded per batch by its first id, so a resumed run samples the same way for the same batch.
             torch.manual_seed(int(hashlib.sha256(f"{seed}:{dialogues[0].id}".encode()).hexdigest()[:15], 16))
             while active := [d for d in dialogues if d.next_user_turn()]:  # one round per user turn
-                prompts = [d.prompt_ids(tokenizer, budget) for d in active]
-                if len(dialogues) == 1:
-                    reply, length = generate_with_prefix_cache(model, tokenizer, active[0], prompts[0], settings)
-                    replies, lengths = [reply], [length]
-                else:
-                    replies, lengths = generate_batches(model, tokenizer, prompts, settings, max_batch_tokens)
-                for dialogue, reply in zip(active, replies):
-                    dialogue.messages.append({"role": "assistant", "content": reply})
+                lengths = _reply_to_turn(model, tokenizer, active, budget, settings, max_batch_tokens, len(dialogues))
                 throughput.add(lengths)
                 bar.update(len(active))
                 bar.set_postfix_str(f"{throughput.rate:.1f} tok/s", refresh=False)
@@ -422,6 +419,21 @@ def regenerate_through_server(server, conversations: list[dict], output: str | o
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI
+def _reply_to_turn(model, tokenizer, active: list[Dialogue], budget, settings: dict, max_batch_tokens: int,
+                   batch_size: int) -> list[int]:
+    """Append the target's reply to the current user turn of every active dialogue; the tokens of each reply. A lone
+    conversation reuses its KV cache across turns, except under a drafter (its loop starts from an empty cache)."""
+    prompts = [d.prompt_ids(tokenizer, budget) for d in active]
+    if batch_size == 1 and "assistant_model" not in settings:
+        reply, length = generate_with_prefix_cache(model, tokenizer, active[0], prompts[0], settings)
+        replies, lengths = [reply], [length]
+    else:
+        replies, lengths = generate_batches(model, tokenizer, prompts, settings, max_batch_tokens)
+    for dialogue, reply in zip(active, replies):
+        dialogue.messages.append({"role": "assistant", "content": reply})
+    return lengths
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .data import add_dataset_arguments
     from .targets import add_placement_arguments, add_target_argument
@@ -450,6 +462,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"prompt length to stay within it; a longer prompt goes alone (default: {DEFAULT_MAX_BATCH_TOKENS})")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype (default: float32)")
     parser.add_argument("--device", default="cpu", help="device of the target (default: cpu)")
+    parser.add_argument("--drafter", default=None, metavar="DIR",
+                        help="a DSpark drafter for this target: batched speculative generation (greedy replies identical "
+                             "to plain regeneration; the next training cycle's data written faster)")
     add_placement_arguments(parser)
     server = parser.add_argument_group("serving engine (instead of loading the target here)")
     server.add_argument("--server", default=None, metavar="URL",
@@ -476,16 +491,29 @@ def run(args: argparse.Namespace) -> int:
     if args.server:
         if placement:
             raise ValueError("--device-map places a target loaded here; with --server the server holds the target, so drop --device-map")
+        if args.drafter:
+            raise ValueError("--drafter speeds up a target loaded here; with --server the server decodes, so drop --drafter")
         written = _run_through_server(args, conversations)
     else:
         model, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device, **placement)
+        drafter = _load_drafter(args.drafter, model) if args.drafter else None
         written = regenerate_conversations(
             model, tokenizer, conversations, args.output, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
             max_length=args.max_length, max_batch_tokens=args.max_batch_tokens, progress=not args.no_progress,
+            drafter=drafter,
         )
     print(f"regenerate: wrote {written} conversations ({len(conversations) - written} already done) -> {args.output}")
     return 0
+
+
+def _load_drafter(directory: str, model):
+    """The drafter in its checkpoint's dtype, on the target's device, bound to the target."""
+    from .remote_code.modeling_dspark import DSparkForDrafting
+
+    drafter = DSparkForDrafting.from_pretrained(directory, dtype="auto").to(input_device(model)).eval()
+    drafter.attach_to(model)
+    return drafter
 
 
 def _run_through_server(args: argparse.Namespace, conversations: list[dict]) -> int:

@@ -39,11 +39,12 @@ class TimedGeneration:
     tokens: torch.Tensor  # the new token ids
     seconds: float  # the whole generate call
     prefill_seconds: float  # until the first new token
+    first_tokens: int = 1  # tokens the prefill itself yields (0 where the call is not split at its first token)
 
     @property
     def decode_tokens(self) -> int:
-        """Tokens after the first (which the prefill itself yields)."""
-        return max(self.tokens.numel() - 1, 0)
+        """Tokens after the prefill's."""
+        return max(self.tokens.numel() - self.first_tokens, 0)
 
     @property
     def decode_seconds(self) -> float:
@@ -53,19 +54,33 @@ class TimedGeneration:
 def timed_generation(target, inputs, max_new_tokens: int, do_sample: bool, seed: int = 0, **kwargs) -> TimedGeneration:
     """One `generate` call timed whole and up to its first new token; sampling reseeded per call so runs compare."""
     clock = FirstTokenClock()
-    tokens, start, seconds = _timed_call(target, inputs, max_new_tokens, do_sample, seed, streamer=clock, **kwargs)
+    out, start, seconds = _timed_call(target, inputs, max_new_tokens, do_sample, seed, streamer=clock, **kwargs)
+    tokens = out[0, inputs["input_ids"].shape[1]:]
     prefill = (clock.first_token_at or start + seconds) - start
     return TimedGeneration(tokens, seconds, min(prefill, seconds))
 
 
 def timed_generate(target, inputs, max_new_tokens: int, do_sample: bool, seed: int = 0, **kwargs):
     """(new token ids, seconds) of one `generate` call; sampling reseeded per call so runs are comparable."""
-    tokens, _, seconds = _timed_call(target, inputs, max_new_tokens, do_sample, seed, **kwargs)
-    return tokens, seconds
+    out, _, seconds = _timed_call(target, inputs, max_new_tokens, do_sample, seed, **kwargs)
+    return out[0, inputs["input_ids"].shape[1]:], seconds
+
+
+def timed_batch_generation(target, batch, max_new_tokens: int, do_sample: bool, seed: int = 0, **kwargs) -> TimedGeneration:
+    """One `generate` call on a left-padded batch, timed whole (a batch does not stream, so there is no first-token
+    split): its tokens are every row's new tokens up to and including its EOS, end to end."""
+    out, _, seconds = _timed_call(target, batch, max_new_tokens, do_sample, seed, **kwargs)
+    eos = target.generation_config.eos_token_id
+    eos = torch.tensor(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    rows = []
+    for row in out[:, batch["input_ids"].shape[1]:]:
+        ends = torch.isin(row, eos).nonzero()
+        rows.append(row[: int(ends[0]) + 1] if ends.numel() else row)
+    return TimedGeneration(torch.cat(rows), seconds, 0.0, first_tokens=0)
 
 
 def _timed_call(target, inputs, max_new_tokens: int, do_sample: bool, seed: int, **kwargs):
-    """(new token ids, start time, seconds) of one `generate` call with the bench's decoding settings: greedy, or
+    """(output ids, start time, seconds) of one `generate` call with the bench's decoding settings: greedy, or
     pure T = 1 sampling (no top-k/top-p from the target's config)."""
     settings = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=target.generation_config.eos_token_id)
     if do_sample:
@@ -76,7 +91,7 @@ def _timed_call(target, inputs, max_new_tokens: int, do_sample: bool, seed: int,
     torch.manual_seed(seed)
     start = time.perf_counter()
     out = target.generate(**inputs, **settings)
-    return out[0, inputs["input_ids"].shape[1]:], start, time.perf_counter() - start
+    return out, start, time.perf_counter() - start
 
 
 __all__ = ["FirstTokenClock", "TimedGeneration", "timed_generate", "timed_generation"]

@@ -267,3 +267,23 @@ def test_only_attention_caches_let_finished_rows_leave(smollm2):
 def test_regenerate_refuses_a_budget_without_room_for_the_reply(tiny, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="--max-length 8 leaves no room.*--max-new-tokens 16"):
         regenerate_conversations(tiny, tokenizer, [_long_chat(1)], tmp_path / "x.jsonl", max_new_tokens=16, max_length=8, progress=False)
+
+
+def test_regenerate_with_a_drafter_writes_what_plain_regeneration_writes(smollm2, tmp_path):
+    """`regenerate --drafter`: batched speculation over real chat turns, greedy: the same replies, byte for byte."""
+    from dspark_hf.corpora import chitchat_conversations
+    from dspark_hf.regenerate import _load_drafter
+
+    target, tokenizer = smollm2
+    convs = [_first_user_turn(c) for c in chitchat_conversations()[:6]]
+    plain = regenerate_conversations(target, tokenizer, convs, tmp_path / "plain.jsonl", max_new_tokens=24, batch_size=3,
+                                     progress=False)
+    drafter = _load_drafter("examples/smollm2-dspark", target)
+    drafted = regenerate_conversations(target, tokenizer, convs, tmp_path / "drafted.jsonl", max_new_tokens=24,
+                                       batch_size=3, progress=False, drafter=drafter)
+    assert plain == drafted == 6 and drafter.last_generation_stats.rounds > 0
+    assert (tmp_path / "plain.jsonl").read_text() == (tmp_path / "drafted.jsonl").read_text()
+
+
+def _first_user_turn(conversation: dict) -> dict:
+    return {"id": conversation["id"], "messages": conversation["messages"][:1]}

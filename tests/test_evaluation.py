@@ -196,6 +196,34 @@ def test_eval_and_bench_commands_run_on_a_tiny_model(tiny, tmp_path, capsys):
     _check_sizing_picks_the_fastest(tmp_path, sizing_bench)
 
 
+def test_bench_batch_size_runs_batched_methods_side_by_side(tiny, tmp_path, capsys):
+    """`bench --batch-size 3`: left-padded batches of the domain's prompts, plain against the DSpark drafters (the
+    one-row baselines left out), the same texts as plain batched generate, and what the width schedule chose."""
+    from dspark_hf import benchmark
+    from dspark_hf.data import write_jsonl
+
+    target, tokenizer, drafter = tiny
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "dspark")
+    write_jsonl(tmp_path / "prompts.jsonl", CONVERSATIONS)
+    parser = argparse.ArgumentParser()
+    benchmark.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "dspark"), "--target", str(tmp_path / "target"), "--prompts",
+                              str(tmp_path / "prompts.jsonl"), "--split", "all", "--num-prompts", "5", "--batch-size", "3",
+                              "--max-new-tokens", "6", "--repetitions", "1", "--dtype", "float32", "--json",
+                              str(tmp_path / "bench.json")])
+    assert benchmark.run(args) == 0
+    out = capsys.readouterr().out
+    assert "batch size: 3 (left-padded" in out and "\ndspark " in out
+    domain = json.loads((tmp_path / "bench.json").read_text())["domains"][str(tmp_path / "prompts.jsonl")]
+    assert not set(benchmark.ONE_ROW_METHODS) & set(domain["modes"]["greedy"])  # transformers serves them one row at a time
+    assert domain["prompts"] == 5 and domain["calls"] == 2  # batches of 3 and 2
+    for method in ("dspark", "dspark-fixed"):
+        live = domain["modes"]["greedy"][method]
+        assert live["identical_to_plain"] == 2 and live["batch_rounds"] > 0 and 0 <= live["plain_step_share"] <= 1
+
+
 def _example(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

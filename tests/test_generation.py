@@ -350,11 +350,15 @@ def test_unsupported_generation_modes_fail_clearly(kwargs, message):
         target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=5, assistant_model=drafter, pad_token_id=0, **kwargs)
 
 
-def test_batch_of_two_fails_clearly():
+def test_batch_of_two_goes_to_the_batched_loop():
+    """A batch no longer fails: the routing hook hands it to batched speculation (tests/test_batching.py)."""
     target = make_tiny_target("llama")
     drafter = make_drafter(target)
-    with pytest.raises(ValueError, match="supports batch size 1, got 2"):
-        target.generate(torch.tensor([PROMPTS[0], PROMPTS[0]]), max_new_tokens=5, assistant_model=drafter, pad_token_id=0)
+    batch = torch.tensor([PROMPTS[0], PROMPTS[0]])
+    expected = target.generate(batch, max_new_tokens=5, pad_token_id=0, do_sample=False)
+    assert torch.equal(target.generate(batch, max_new_tokens=5, assistant_model=drafter, pad_token_id=0, do_sample=False),
+                       expected)
+    assert drafter.last_generation_stats.widths  # batch rounds were recorded
 
 
 def test_mismatched_targets_fail_clearly():

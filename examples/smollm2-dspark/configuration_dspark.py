@@ -23,6 +23,7 @@ REMOTE_CODE_FILES = (
     "configuration_dspark.py",
     "modeling_dspark.py",
     "generation_dspark.py",
+    "batching_dspark.py",
     "routing_dspark.py",
     "scheduling_dspark.py",
     "profiling_dspark.py",

@@ -27,8 +27,14 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
-from .configuration_dspark import check_target_compatibility
-from .profiling_dspark import DSparkVerifyProfile, load_or_measure_verify_profile, verify_profile_key
+from .profiling_dspark import (
+    DSparkBatchVerifyProfile,
+    DSparkVerifyProfile,
+    batch_profile_key,
+    load_or_measure_batch_verify_profile,
+    load_or_measure_verify_profile,
+    verify_profile_key,
+)
 from .scheduling_dspark import (
     DSparkDraftSchedule,
     DSparkDrafterBackoff,
@@ -106,6 +112,7 @@ class DSparkDraftingState:
     confidence_bias: dict[tuple, float] = field(default_factory=dict)  # hardware schedule's online bias per setting
     lookup_counts: dict[tuple, dict[int, list[float]]] = field(default_factory=dict)  # prompt-lookup outcomes
     verify_profile: DSparkVerifyProfile | None = None
+    batch_verify_profile: DSparkBatchVerifyProfile | None = None  # t(B, w), the same for batched generation
     last_stats: "DSparkGenerationStats | None" = None  # what the last generate call did
     bound_target: str | None = None  # the target whose embeddings `bind_target` copied
 
@@ -115,6 +122,12 @@ class DSparkDraftingState:
         if self.verify_profile is not None and self.verify_profile.key == verify_profile_key(target):
             return self.verify_profile
         return load_or_measure_verify_profile(target, max_drafts)
+
+    def batch_verify_profile_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkBatchVerifyProfile:
+        """As `verify_profile_for`, for the batch axis t(B, w)."""
+        if self.batch_verify_profile is not None and self.batch_verify_profile.key == batch_profile_key(target):
+            return self.batch_verify_profile
+        return load_or_measure_batch_verify_profile(target, max_drafts)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -127,11 +140,12 @@ SUMMED_STATS = ("draft_time_s", "verify_time_s", "confidence_predicted", "confid
 
 @dataclass
 class DSparkGenerationStats:
-    """What happened in the last `generate` call: one entry per verify round."""
+    """What happened in the last `generate` call: one entry per verify round (batched: per row and round)."""
 
     num_draft_tokens: int
     drafted: list[int] = field(default_factory=list)  # drafts proposed per round
     accepted: list[int] = field(default_factory=list)  # drafts accepted per round (bonus token not included)
+    widths: list[int] = field(default_factory=list)  # batched generation: the padded width of each batch round
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     confidence_predicted: float = 0.0  # Σ recalibrated c_n over drafts verification reached (hardware schedule)
@@ -178,6 +192,7 @@ class DSparkGenerationStats:
             "acceptance_cumulative": self.acceptance_cumulative(),
             "acceptance_conditional": self.acceptance_conditional(),
             "accepted_histogram": self.accepted_histogram(),
+            "widths": list(self.widths),
             **{name: getattr(self, name) for name in SUMMED_STATS},
         }
 
@@ -188,6 +203,7 @@ class DSparkGenerationStats:
         for stats in stats_list:
             merged.drafted += list(stats.drafted)
             merged.accepted += list(stats.accepted)
+            merged.widths += list(stats.widths)
             for name in SUMMED_STATS:
                 setattr(merged, name, getattr(merged, name) + getattr(stats, name))
         return merged
@@ -218,7 +234,7 @@ def check_generation_limits(generation_config: GenerationConfig, batch_size: int
         raise ValueError(f"DSpark speculative decoding supports batch size 1, got {batch_size}; call generate once per prompt.")
 
 
-def _decoding_key(target: PreTrainedModel, generation_config: GenerationConfig) -> tuple:
+def decoding_key(target: PreTrainedModel, generation_config: GenerationConfig) -> tuple:
     """What a draft's survival depends on besides the text: the target's dtype and the decoding settings."""
     if not generation_config.do_sample:
         return (str(target.dtype), "greedy")
@@ -258,9 +274,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
     ):
         check_generation_limits(generation_config, batch_size=input_ids.shape[0])
         self.drafter, self.state = drafter, drafter.drafting_state
-        check_target_compatibility(drafter.config, target)
-        if drafter.config.bind_target_embeddings and self.state.bound_target != target.config.name_or_path:
-            drafter.bind_target(target)
+        drafter.attach_to(target)
         self.aux_layer_ids = list(drafter.config.aux_hidden_state_layer_ids)
         # Ask the verify pass for exactly the aux layers; a user asking for all hidden states gets them all.
         wants_all = generation_config.output_hidden_states and generation_config.return_dict_in_generate
@@ -269,7 +283,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.settings = DSparkDraftingSettings.from_drafter(drafter)
         self.num_drafts = self.settings.num_drafts
         self.schedule = make_schedule(drafter, target, self.settings, self.do_sample)
-        self.bias_key = _decoding_key(target, generation_config)
+        self.bias_key = decoding_key(target, generation_config)
         self.schedule.bias = self.state.confidence_bias.get(self.bias_key, 0.0)  # learned by earlier calls
         # After rounds that draft nothing the drafter itself may rest (back-off); the aux rows of the rounds it
         # skipped wait in `_pending_aux` until it runs again.
@@ -445,5 +459,7 @@ __all__ = [
     "DSparkDraftingSettings",
     "DSparkDraftingState",
     "DSparkGenerationStats",
+    "check_generation_limits",
+    "decoding_key",
     "make_schedule",
 ]

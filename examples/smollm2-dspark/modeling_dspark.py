@@ -31,7 +31,6 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.generation.logits_process import (
     LogitsProcessorList,
-    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -42,6 +41,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
 
 from .configuration_dspark import DSparkConfig, check_target_compatibility
+from .batching_dspark import VOCAB_AGNOSTIC_WARPERS, DSparkBatchGeneration, check_batch_limits
 from .generation_dspark import DSparkCandidateGenerator, DSparkDraftingState, DSparkGenerationStats
 from .routing_dspark import DSPARK_STOPPING_ATTRIBUTE, install_dspark_routing
 from .scheduling_dspark import DSparkDraftSchedule, draft_schedule
@@ -395,9 +395,7 @@ def _sampling_warpers(temperature: float, top_k: int | None, top_p: float | None
     return warpers
 
 
-# Warpers that read nothing but the scores' probabilities: on the draft vocabulary they keep and rescale exactly the
-# tokens they would keep among the same logits scattered to the target vocabulary (-inf elsewhere has probability 0).
-_VOCAB_AGNOSTIC_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+# Warpers that read nothing but the scores' probabilities (see VOCAB_AGNOSTIC_WARPERS) can run on the draft vocabulary.
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.LongTensor:
@@ -429,7 +427,7 @@ class DSparkTokenChooser:
     ):
         self.draft_to_target, self.vocab_size, self.sequence = draft_to_target, vocab_size, sequence
         self.do_sample, self.logits_processor, self.generator = do_sample, logits_processor, generator
-        self.on_draft_vocab = all(isinstance(p, _VOCAB_AGNOSTIC_WARPERS) for p in logits_processor or ())
+        self.on_draft_vocab = all(isinstance(p, VOCAB_AGNOSTIC_WARPERS) for p in logits_processor or ())
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Draft logits (1, V_d) -> target id (1,) and the processed scores (1, V_d or V_t), or None if greedy."""
@@ -487,6 +485,17 @@ class DSparkContextCache:
         """Keep the first `max_length` context positions (e.g. to reuse a prefix)."""
         self.keys = [k[:, :, :max_length] for k in self.keys]
         self.values = [v[:, :, :max_length] for v in self.values]
+
+    def select_rows(self, rows: torch.LongTensor):
+        """Keep only these batch rows (a batch whose other rows finished)."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+
+    def gather_columns(self, columns: torch.LongTensor):
+        """Row b keeps columns[b] (b, t') in that order: a batch's ragged context compacted."""
+        index = columns[:, None, :, None]
+        self.keys = [k.gather(2, index.expand(-1, k.shape[1], -1, k.shape[3])) for k in self.keys]
+        self.values = [v.gather(2, index.expand(-1, v.shape[1], -1, v.shape[3])) for v in self.values]
 
     def __getitem__(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]
@@ -825,11 +834,15 @@ class DSparkForDrafting(DSparkPreTrainedModel):
     # Inference
 
     @torch.no_grad()
-    def extend_context(self, cache: DSparkContextCache, aux_hidden_states: torch.Tensor) -> DSparkContextCache:
-        """Append committed positions (b, n, m·d) to the context cache; their K/V are computed exactly once."""
-        start = cache.get_seq_length()
+    def extend_context(
+        self, cache: DSparkContextCache, aux_hidden_states: torch.Tensor, positions: torch.LongTensor | None = None
+    ) -> DSparkContextCache:
+        """Append committed positions (b, n, m·d) to the context cache; their K/V are computed exactly once. Their
+        positions (b, n) default to the next columns in order (a batch with padding passes each row's own)."""
         context = self.fuse_context(aux_hidden_states)
-        positions = torch.arange(start, start + context.shape[1], device=context.device).expand(context.shape[0], -1)
+        if positions is None:
+            start = cache.get_seq_length()
+            positions = torch.arange(start, start + context.shape[1], device=context.device).expand(context.shape[0], -1)
         for i, layer_kv in enumerate(self._context_kv(context, positions)):
             cache.update(i, *layer_kv)
         return cache
@@ -841,6 +854,68 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         start = cache.get_seq_length()
         positions = torch.arange(start, start + self.config.block_size, device=hidden.device).expand(hidden.shape[0], -1)
         return self._run_block(hidden, positions, cache)
+
+    @torch.no_grad()
+    def batch_block_rows(
+        self,
+        cache: DSparkContextCache,
+        anchor_ids: torch.LongTensor,  # (b,) each row's anchor
+        positions: torch.LongTensor,  # (b,) each anchor's position
+        context_mask: torch.Tensor,  # (b, t) bool: the cache columns that are each row's committed context
+    ) -> torch.Tensor:
+        """The parallel pass for a padded batch: row b's block sees its own context columns and its own block rows
+        -> normalized block rows (b, B, d)."""
+        hidden = self._block_embeddings(anchor_ids)  # (b, B, d)
+        (b, t), B = context_mask.shape, self.config.block_size
+        block_positions = positions[:, None] + torch.arange(B, device=positions.device)  # (b, B)
+        sees = torch.cat([context_mask[:, None, None, :].expand(b, 1, B, t), context_mask.new_ones(b, 1, B, B)], dim=-1)
+        return self._run_block(hidden, block_positions, cache, sees)
+
+    @torch.no_grad()
+    def draft_batch(
+        self,
+        cache: DSparkContextCache,
+        anchor_ids: torch.LongTensor,  # (b,)
+        positions: torch.LongTensor,  # (b,)
+        context_mask: torch.Tensor,  # (b, t) bool
+        num_drafts: int,
+        chooser,  # DSparkBatchTokenChooser: picks (b,) tokens from (b, V_d) logits
+        schedule,  # a batch width schedule: `start`, `admit(survivals (b,))`, `finish(num_drafted)`
+    ) -> DSparkDraftOutput:
+        """One block per row of a padded batch, every row drafting the same number of drafts (the schedule's width):
+        tokens (b, w), the scores they were chosen from on the target vocabulary (sampling), confidences (b, w)."""
+        block_hidden = self.batch_block_rows(cache, anchor_ids, positions, context_mask)
+        draft_hidden = self._draft_rows(block_hidden)[:, : min(num_drafts, self.num_draft_tokens)]  # (b, n, d)
+        state = self._markov_start_state(block_hidden, anchor_ids)
+        tokens, scores, confidences = [], [], []
+        prev = anchor_ids
+        schedule.start()
+        base_logits = self.lm_head(draft_hidden).float() if draft_hidden.shape[1] else None  # (b, n, V_d)
+        for n in range(draft_hidden.shape[1]):
+            prev_embeds = self.markov_head.embed_previous(prev) if self.markov_head is not None else None
+            if self.confidence_head is not None:
+                confidence = self._calibrated_confidence(draft_hidden[:, n], prev_embeds, n)  # (b,)
+                if not schedule.admit(confidence):
+                    break
+                confidences.append(confidence)
+            logits = base_logits[:, n]
+            if self.markov_head is not None:
+                bias, state = self.markov_head.step(draft_hidden[:, n], prev_embeds, state)
+                logits = logits + bias.float()
+            prev, score = chooser.choose(logits)
+            tokens.append(prev)
+            scores.append(score)
+        return self._batch_draft_output(tokens, scores, confidences, schedule.finish(len(tokens)), chooser, anchor_ids)
+
+    def _batch_draft_output(self, tokens, scores, confidences, width: int, chooser, anchor_ids) -> DSparkDraftOutput:
+        """Stack the first `width` drafts of every row."""
+        tokens, scores, confidences = tokens[:width], scores[:width], confidences[:width]
+        empty = anchor_ids.new_zeros((anchor_ids.shape[0], 0))
+        return DSparkDraftOutput(
+            token_ids=torch.stack(tokens, dim=1) if tokens else empty,
+            target_logits=chooser.target_scores(torch.stack(scores, dim=1)) if tokens and scores[0] is not None else None,
+            confidences=torch.stack(confidences, dim=1) if confidences else None,
+        )
 
     @torch.no_grad()
     def block_hidden_states(self, cache: DSparkContextCache, anchor_ids: torch.LongTensor) -> torch.Tensor:
@@ -958,6 +1033,20 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         return DSparkCandidateGenerator(
             self, target, input_ids, generation_config, logits_processor, model_kwargs, stopping_criteria
         )
+
+    def _dspark_batched_decoding(self, target: PreTrainedModel, input_ids: torch.LongTensor, logits_processor,
+                                 stopping_criteria, generation_config: GenerationConfig, streamer=None, **model_kwargs):
+        """`target.generate(..., assistant_model=drafter)` on a batch of more than one row (the routing hook calls
+        this, bound to the drafter; its name is DSPARK_BATCH_ATTRIBUTE): the package's batched loop."""
+        check_batch_limits(target, generation_config, model_kwargs.get("attention_mask"), streamer)
+        generation = DSparkBatchGeneration(self, target, generation_config, logits_processor, stopping_criteria, model_kwargs)
+        return generation.generate(input_ids)
+
+    def attach_to(self, target: PreTrainedModel):
+        """Check that this drafter fits the target, and copy the target's embeddings where the checkpoint omits them."""
+        check_target_compatibility(self.config, target)
+        if self.config.bind_target_embeddings and self.drafting_state.bound_target != target.config.name_or_path:
+            self.bind_target(target)
 
     def new_context_cache(self) -> DSparkContextCache:
         """An empty context cache for one generation (the candidate generator's)."""

@@ -24,6 +24,7 @@ from .generation_dspark import check_generation_limits
 # checkpoints' included), so neither name may change.
 DSPARK_FACTORY_ATTRIBUTE = "_dspark_candidate_generator_factory"
 DSPARK_STOPPING_ATTRIBUTE = "_dspark_stopping_criteria"
+DSPARK_BATCH_ATTRIBUTE = "_dspark_batched_decoding"  # the drafter's own loop for a batch of more than one row
 
 
 def _route_candidate_generator(original: Callable) -> Callable:
@@ -63,18 +64,22 @@ def _guard_generation_mode(original: Callable) -> Callable:
     return _validate_generation_mode
 
 
-def _share_stopping_criteria(original: Callable) -> Callable:
-    """Hand the stopping criteria generate() built to a DSpark assistant for this call (`_get_candidate_generator`
-    does not receive them), so that drafts never run past a stop string or a custom criterion."""
+def _route_assisted_decoding(original: Callable) -> Callable:
+    """A batch of more than one row goes to the DSpark assistant's own batched loop (transformers' assisted loop
+    serves one row); one row keeps transformers' loop, with the stopping criteria generate() built handed to the
+    assistant for this call (`_get_candidate_generator` does not receive them), so that drafts never run past a stop
+    string or a custom criterion."""
 
     @functools.wraps(original)
-    def _assisted_decoding(self, *args, **kwargs):
+    def _assisted_decoding(self, input_ids, *args, **kwargs):
         assistant_model = kwargs.get("assistant_model")
         if getattr(assistant_model, DSPARK_FACTORY_ATTRIBUTE, None) is None:
-            return original(self, *args, **kwargs)
+            return original(self, input_ids, *args, **kwargs)
+        if input_ids.shape[0] > 1 and hasattr(assistant_model, DSPARK_BATCH_ATTRIBUTE):
+            return getattr(assistant_model, DSPARK_BATCH_ATTRIBUTE)(self, input_ids, *args, **kwargs)
         setattr(assistant_model, DSPARK_STOPPING_ATTRIBUTE, kwargs.get("stopping_criteria"))
         try:
-            return original(self, *args, **kwargs)
+            return original(self, input_ids, *args, **kwargs)
         finally:
             setattr(assistant_model, DSPARK_STOPPING_ATTRIBUTE, None)
 
@@ -84,7 +89,7 @@ def _share_stopping_criteria(original: Callable) -> Callable:
 DSPARK_HOOKS = {
     "_get_candidate_generator": _route_candidate_generator,
     "_validate_generation_mode": _guard_generation_mode,
-    "_assisted_decoding": _share_stopping_criteria,
+    "_assisted_decoding": _route_assisted_decoding,
 }
 
 
@@ -103,4 +108,6 @@ def install_dspark_routing():
 
 
 
-__all__ = ["DSPARK_FACTORY_ATTRIBUTE", "DSPARK_HOOKS", "DSPARK_STOPPING_ATTRIBUTE", "install_dspark_routing"]
+__all__ = [
+    "DSPARK_BATCH_ATTRIBUTE", "DSPARK_FACTORY_ATTRIBUTE", "DSPARK_HOOKS", "DSPARK_STOPPING_ATTRIBUTE", "install_dspark_routing"
+]

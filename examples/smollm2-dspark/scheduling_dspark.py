@@ -307,7 +307,179 @@ class DSparkPromptLookup:
         self.counts[ngram][1] += min(num_drafted, num_accepted + 1)
 
 
+
+# ------------------------------------------------------------------------------------------------------------------
+# Batch widths: a padded batch verifies one width w for all its rows, row i committing 1 + Σ_{n≤w} a_{i,n} tokens on
+# average. The width grows position by position from the rows' confidences so far (so sampling stays lossless, as
+# above); greedy decoding may cut it back after seeing the whole block (`finish`).
+
+
+class DSparkBatchWidth:
+    """Fixed width: every draft of the block, for every row. The hooks do nothing here."""
+
+    prices_rounds = False  # True: the width is priced in seconds, and the confidence bias it learns is worth keeping
+    batch_size = 1  # active rows this round, set by the batch loop
+    context_length = 0  # cache columns this round, set by the batch loop
+    bias = 0.0
+
+    def start(self) -> None:
+        self.survivals: list[torch.Tensor] = []  # per admitted position n: (b,) a_{·,n}
+
+    def admit(self, confidences: torch.Tensor) -> bool:
+        """Position n's calibrated c_{·,n} (b,) -> True: every row drafts it."""
+        self.survivals.append(self._next_survival(confidences))
+        return True
+
+    def _next_survival(self, confidences: torch.Tensor) -> torch.Tensor:
+        return self.survivals[-1] * confidences if self.survivals else confidences
+
+    def finish(self, num_drafted: int) -> int:
+        return num_drafted
+
+    def should_skip(self) -> bool:
+        """True: the drafter rests this round (a plain batched step)."""
+        return False
+
+    def observe_round(self, drafts, counts, accepted, batch_size: int, draft_s: float, verify_s: float) -> None:
+        """After verification: what was drafted, how many drafts each row verified and accepted, and the times."""
+
+
+class DSparkBatchThresholdWidth(DSparkBatchWidth):
+    """Widen while some row's survival a_n stays at or above `threshold`."""
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def admit(self, confidences: torch.Tensor) -> bool:
+        survival = self._next_survival(confidences)
+        if not bool((survival >= self.threshold).any()):
+            return False
+        self.survivals.append(survival)
+        return True
+
+
+class DSparkBatchVerifyCostWidth(DSparkBatchThresholdWidth):
+    """The verify-cost rule summed over rows: widen while E / C rises, E = Σ_rows (1 + Σ_n a_n), C = 1 + verify_cost·w
+    (`verify_cost`: one more verified token per row relative to a whole verify pass)."""
+
+    def __init__(self, verify_cost: float, threshold: float | None = None):
+        super().__init__(-math.inf if threshold is None else threshold)
+        self.verify_cost = verify_cost
+
+    def start(self) -> None:
+        super().start()
+        self.expected, self.cost = float(self.batch_size), 1.0
+
+    def admit(self, confidences: torch.Tensor) -> bool:
+        if not super().admit(confidences):
+            return False
+        gained = float(self.survivals[-1].sum())
+        if (self.expected + gained) / (self.cost + self.verify_cost) <= self.expected / self.cost:
+            self.survivals.pop()
+            return False
+        self.expected, self.cost = self.expected + gained, self.cost + self.verify_cost
+        return True
+
+
+class DSparkBatchHardwareWidth(DSparkBatchWidth):
+    """The DSpark paper's batch scheduler: the width w maximising Σ_rows (1 + Σ_{n≤w} a_{i,n}) / cost(B, w), with
+    cost(B, w) = t(B, w) + the drafter's time (× `min_gain`) and cost(B, 0) = t(B, 0), a plain batched step (after
+    which the drafter rests: back-off). As the batch-1 schedule: the later survivals are projected geometrically when
+    sampling, greedy decoding looks at the whole block (`lookahead`), and confidences get an online logit bias."""
+
+    prices_rounds = True
+    smoothing = DSparkHardwareAwareSchedule.smoothing
+    recalibration_rate = DSparkHardwareAwareSchedule.recalibration_rate
+    max_bias = DSparkHardwareAwareSchedule.max_bias
+    fallback_threshold = DSparkHardwareAwareSchedule.fallback_threshold
+
+    def __init__(self, profile, max_drafts: int, min_gain: float = 1.0, lookahead: bool = False):
+        self.profile, self.min_gain, self.lookahead = profile, min_gain, lookahead
+        self.max_drafts = min(max_drafts, profile.max_drafts)
+        self.draft_time_s: dict[int, float] = {}  # the drafter's time per round, by batch size
+        self.verify_scale = 1.0
+        self.backoff = DSparkDrafterBackoff()
+
+    def cost(self, width: int) -> float:
+        verify = self.verify_scale * self.profile.verify_time(self.batch_size, width)
+        return verify if width == 0 else self.min_gain * (verify + self.draft_time_s.get(self.batch_size, 0.0))
+
+    def start(self) -> None:
+        super().start()
+        self._costs = [self.cost(w) for w in range(self.max_drafts + 1)]
+        self._expected = [float(self.batch_size)]  # E_w for w = 0, 1, ...
+        self._admitted: list[torch.Tensor] = []  # recalibrated c_{·,n} of the admitted positions
+        self.drafter_ran = True
+
+    def admit(self, confidences: torch.Tensor) -> bool:
+        n = len(self.survivals) + 1
+        if n > self.max_drafts:
+            return False
+        confidences = torch.sigmoid(torch.logit(confidences.double().clamp(1e-6, 1 - 1e-6)) + self.bias)
+        survival = self._next_survival(confidences)
+        if self.profile.noisy:
+            admitted = bool((survival >= self.fallback_threshold).any())
+        elif self.lookahead:  # draft on while even certain later drafts could beat the best stop so far
+            best = max(e / c for e, c in zip(self._expected, self._costs))
+            admitted = self._best_from(n, survival, torch.ones_like(survival)) > best
+        else:
+            admitted = self._best_from(n, survival, confidences) > self._expected[-1] / self._costs[n - 1]
+        if admitted:
+            self.survivals.append(survival)
+            self._admitted.append(confidences)
+            self._expected.append(self._expected[-1] + float(survival.sum()))
+        return admitted
+
+    def _best_from(self, n: int, survival: torch.Tensor, ratio: torch.Tensor) -> float:
+        best, expected, projected = 0.0, self._expected[-1], survival
+        for k in range(n, self.max_drafts + 1):
+            expected += float(projected.sum())
+            best = max(best, expected / self._costs[k])
+            projected = projected * ratio
+        return best
+
+    def finish(self, num_drafted: int) -> int:
+        width = num_drafted
+        if self.lookahead and not self.profile.noisy:
+            width = max(range(num_drafted + 1), key=lambda k: self._expected[k] / self._costs[k])
+        self.survivals, self._admitted = self.survivals[:width], self._admitted[:width]
+        self.backoff.record(width)
+        return width
+
+    def should_skip(self) -> bool:
+        skip = self.backoff.should_skip()
+        self.drafter_ran = not skip
+        return skip
+
+    def observe_round(self, drafts, counts, accepted, batch_size: int, draft_s: float, verify_s: float) -> None:
+        width = int(counts.max()) if counts.numel() else 0
+        if self.drafter_ran and draft_s > 0:
+            old = self.draft_time_s.get(batch_size)
+            self.draft_time_s[batch_size] = draft_s if old is None else (1 - self.smoothing) * old + self.smoothing * draft_s
+        profiled = self.profile.verify_time(batch_size, width)
+        if profiled > 0:
+            self.verify_scale = (1 - self.smoothing) * self.verify_scale + self.smoothing * verify_s / profiled
+        self._recalibrate(counts, accepted)
+
+    def _recalibrate(self, counts: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Every draft verification reached is one outcome of its recalibrated c_n (SGD on the shared logit bias,
+        averaged over the rows so a big batch moves it no faster than one row)."""
+        if not self._admitted:
+            return
+        predicted = torch.stack(self._admitted, dim=1)  # (b, w)
+        n = torch.arange(1, predicted.shape[1] + 1, device=predicted.device)
+        counts, accepted = counts.to(predicted.device), accepted.to(predicted.device)
+        reached = n[None, :] <= torch.minimum(counts, accepted + 1)[:, None]
+        error = ((n[None, :] <= accepted[:, None]).double() - predicted) * reached
+        self.bias += self.recalibration_rate * float(error.sum()) / max(predicted.shape[0], 1)
+        self.bias = min(max(self.bias, -self.max_bias), self.max_bias)
+
+
 __all__ = [
+    "DSparkBatchHardwareWidth",
+    "DSparkBatchThresholdWidth",
+    "DSparkBatchVerifyCostWidth",
+    "DSparkBatchWidth",
     "DSparkDraftSchedule",
     "DSparkDrafterBackoff",
     "DSparkHardwareAwareSchedule",

@@ -1,0 +1,371 @@
+# Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
+"""Batched speculative generation: `target.generate(**padded_batch, assistant_model=drafter)` with many rows.
+
+Remote-code file (imports only torch and transformers). transformers' assisted loop serves one row; for a batch the
+routing hook (`routing_dspark.py`) calls this loop instead. Every round the drafter drafts a block for every active
+row in one pass, a width schedule picks one padded width w for the batch, and the target verifies all rows in one
+forward of w + 1 tokens per row. Rows accept different numbers of drafts, so the caches become ragged: a rejected
+draft's column stays in the target's cache but is masked out of attention from then on (a 2-D attention mask with
+holes, turned into the 4-D mask by transformers' own mask utilities), each row's position ids count only its valid
+columns, columns no row needs are cropped, and the caches are compacted when holes pile up. A finished row leaves
+the batch. Each row therefore sees exactly its own tokens, as in plain batched `generate`: greedy rows are the
+target's own argmax, sampled rows pass speculative sampling row by row.
+
+Reading order: token choice for a batch → the rows still generating (caches, mask, positions) → one batched call:
+prefill, draft, verify, accept, commit, stop, compact → the output in `generate`'s layout.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .generation_dspark import DSparkDraftingSettings, DSparkGenerationStats, check_generation_limits, decoding_key
+from .scheduling_dspark import (
+    DSparkBatchHardwareWidth,
+    DSparkBatchThresholdWidth,
+    DSparkBatchVerifyCostWidth,
+    DSparkBatchWidth,
+)
+
+# Warpers that read nothing but the scores' probabilities: on the draft vocabulary they keep and rescale exactly the
+# tokens they would keep among the same logits scattered to the target vocabulary (-inf elsewhere has probability 0),
+# and on a batch they treat every row alike, whatever ids it holds.
+VOCAB_AGNOSTIC_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+COMPACT_WHEN_WASTED = 0.25  # compact the caches once this share of their columns are holes
+
+
+class DSparkBatchTokenChooser:
+    """Chooses one draft per row of a batch from its Markov-corrected logits (b, V_d): the argmax when greedy; when
+    sampling, a draw after the probability-only warpers (temperature, top-k, top-p, min-p) on the draft vocabulary.
+    Other processors read each row's own ids and are left to verification: a draft needs only to be drawn from the q
+    that verification is given, and the warpers bring q close to the target's p."""
+
+    def __init__(self, draft_to_target: torch.LongTensor, vocab_size: int, do_sample: bool = False,
+                 logits_processor: LogitsProcessorList | None = None):
+        self.draft_to_target, self.vocab_size, self.do_sample = draft_to_target, vocab_size, do_sample
+        self.warpers = LogitsProcessorList(p for p in logits_processor or () if isinstance(p, VOCAB_AGNOSTIC_WARPERS))
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Draft logits (b, V_d) -> target ids (b,) and the scores they were drawn from (b, V_d), or None if greedy."""
+        if not self.do_sample:
+            return self.draft_to_target[logits.argmax(dim=-1)], None
+        scores = self.warpers(logits.new_zeros((logits.shape[0], 1), dtype=torch.long), logits) if self.warpers else logits
+        return self.draft_to_target[torch.multinomial(F.softmax(scores, dim=-1), 1).squeeze(1)], scores
+
+    def target_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores (b, n, V_d) on the target vocabulary (b, n, V_t), -inf outside the draft vocabulary."""
+        full = scores.new_full((*scores.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.draft_to_target] = scores
+        return full
+
+
+def check_batch_limits(target: PreTrainedModel, generation_config: GenerationConfig, attention_mask, streamer):
+    """What a batch cannot do with a DSpark drafter, each as one line naming the fix."""
+    check_generation_limits(generation_config)
+    wants = [name for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+             if getattr(generation_config, name, False)]
+    if generation_config.return_dict_in_generate and wants:
+        raise ValueError(f"DSpark batched speculation returns sequences only, not {', '.join(wants)}; drop them or "
+                         "generate one prompt at a time.")
+    if streamer is not None:
+        raise ValueError("DSpark batched speculation cannot stream; drop the streamer or generate one prompt at a time.")
+    if target.config.is_encoder_decoder:
+        raise ValueError("DSpark batched speculation serves decoder-only targets; generate one prompt at a time.")
+    if attention_mask is not None and bool((attention_mask[:, 1:] < attention_mask[:, :-1]).any()):
+        raise ValueError("DSpark batched speculation needs left padding (a row has padding after its tokens); "
+                         "tokenize with padding_side=\"left\".")
+
+
+def batch_width_schedule(drafter, target: PreTrainedModel, settings: DSparkDraftingSettings, do_sample: bool):
+    """The width schedule the drafting settings ask for (the batch forms of the batch-1 schedules); the hardware
+    schedule is priced by the target's measured t(B, w) and starts from the confidence bias earlier calls learned."""
+    if settings.verify_cost is not None:
+        return DSparkBatchVerifyCostWidth(settings.verify_cost, settings.confidence_threshold)
+    if settings.confidence_threshold is not None:
+        return DSparkBatchThresholdWidth(settings.confidence_threshold)
+    if not settings.hardware:
+        return DSparkBatchWidth()
+    profile = drafter.drafting_state.batch_verify_profile_for(target, settings.num_drafts)
+    return DSparkBatchHardwareWidth(profile, settings.num_drafts, settings.min_gain, settings.lookahead and not do_sample)
+
+
+class DSparkBatchRows:
+    """The rows still generating and the layout of their caches: column t of the target's cache and of the drafter's
+    context cache is the same token of the same row; `mask` (a, T) says which columns each row really has."""
+
+    def __init__(self, rows: torch.LongTensor, mask: torch.LongTensor, target_cache, drafter_cache):
+        self.rows = rows  # (a,) batch index of each active row
+        self.mask = mask  # (a, T) 1 = a committed token of that row
+        self.target_cache, self.drafter_cache = target_cache, drafter_cache
+        self.next_position = mask.sum(dim=1)  # (a,) the anchor's position: tokens committed before it
+        self.anchor = None  # (a,) the last committed token, not yet in the target's cache
+
+    def keep(self, keep: torch.Tensor):
+        """Drop the rows where `keep` (a,) is False: finished rows cost no more work."""
+        index = keep.nonzero().squeeze(1)
+        self.rows, self.mask, self.next_position = self.rows[index], self.mask[index], self.next_position[index]
+        self.anchor = self.anchor[index]
+        self.target_cache.batch_select_indices(index)
+        self.drafter_cache.select_rows(index)
+
+    def tidy(self):
+        """Crop the trailing columns no row needs; compact when holes fill COMPACT_WHEN_WASTED of the columns."""
+        if not self.rows.numel():
+            return
+        used = self.mask.any(dim=0)
+        trailing = int(used.shape[0] - (used.nonzero().max() + 1)) if used.any() else 0
+        if trailing:
+            self.target_cache.crop(-trailing)
+            self.drafter_cache.crop(self.mask.shape[1] - trailing)
+            self.mask = self.mask[:, : self.mask.shape[1] - trailing]
+        longest = int(self.mask.sum(dim=1).max())
+        if self.mask.shape[1] - longest > COMPACT_WHEN_WASTED * self.mask.shape[1]:
+            self._compact(longest)
+
+    def _compact(self, width: int):
+        """Move every row's valid columns to the right end of `width` columns (left padding again), in both caches."""
+        order = torch.sort(self.mask, dim=1, stable=True).indices[:, -width:]  # (a, width) holes first, then tokens
+        for layer in self.target_cache.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+        self.drafter_cache.gather_columns(order)
+        self.mask = self.mask.gather(1, order)
+
+
+class DSparkBatchGeneration:
+    """One batched `generate` call with a DSpark drafter (see the module docstring)."""
+
+    def __init__(self, drafter, target: PreTrainedModel, generation_config: GenerationConfig,
+                 logits_processor: LogitsProcessorList, stopping_criteria: StoppingCriteriaList, model_kwargs: dict):
+        self.drafter, self.target, self.config = drafter, target, generation_config
+        self.processors = logits_processor or LogitsProcessorList()
+        self.batched_processors = all(isinstance(p, VOCAB_AGNOSTIC_WARPERS) for p in self.processors)
+        self.stopping_criteria = stopping_criteria
+        # transformers pads a stopped row only where an EOS criterion exists; without one it goes on writing the row
+        # until every row has stopped, and so does this loop then
+        self.pads_finished = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
+        self.model_kwargs = model_kwargs
+        self.do_sample = bool(generation_config.do_sample)
+        self.aux_layer_ids = list(drafter.config.aux_hidden_state_layer_ids)
+        self.settings = DSparkDraftingSettings.from_drafter(drafter)
+        self.schedule = batch_width_schedule(drafter, target, self.settings, self.do_sample)
+        self.bias_key = decoding_key(target, generation_config)
+        self.schedule.bias = drafter.drafting_state.confidence_bias.get(self.bias_key, 0.0)
+        self.chooser = DSparkBatchTokenChooser(drafter.draft_to_target_ids, drafter.config.vocab_size, self.do_sample,
+                                               logits_processor)
+        self.stats = drafter.drafting_state.last_stats = DSparkGenerationStats(num_draft_tokens=drafter.num_draft_tokens)
+
+    # -------------------------------------------------------------------------------------------------- the call
+
+    def generate(self, input_ids: torch.LongTensor):
+        """Generate every row to its end; the output has plain `generate`'s layout."""
+        self.prompt = input_ids
+        self.generated: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+        self.stopped_at: list[int | None] = [None] * input_ids.shape[0]  # tokens a row had when it stopped
+        batch = self._prefill(input_ids)
+        while batch.rows.numel():
+            self._round(batch)
+        if self.schedule.prices_rounds:
+            self.drafter.drafting_state.confidence_bias[self.bias_key] = self.schedule.bias
+        return self._output()
+
+    def _prefill(self, input_ids: torch.LongTensor) -> DSparkBatchRows:
+        """The prompt through the target (exactly plain generate's prefill) and the first token of every row."""
+        mask = self.model_kwargs.get("attention_mask")
+        mask = torch.ones_like(input_ids) if mask is None else mask.long()
+        cache = self.model_kwargs.get("cache")
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError("DSpark batched speculation starts from an empty cache; drop the `cache` you passed.")
+        if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", [])):
+            raise ValueError("DSpark batched speculation needs a target whose cache is full attention only (no sliding "
+                             "window or recurrent layers); generate one prompt at a time.")
+        positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+        outputs = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                              use_cache=True, output_hidden_states=self.aux_layer_ids, logits_to_keep=1)
+        scores = self.processors(input_ids, outputs.logits[:, -1].float())
+        first = torch.multinomial(F.softmax(scores, dim=-1), 1).squeeze(1) if self.do_sample else scores.argmax(-1)
+        self.drafter.attach_to(self.target)
+        batch = DSparkBatchRows(torch.arange(input_ids.shape[0], device=input_ids.device), mask, outputs.cache,
+                                self.drafter.new_context_cache())
+        self._extend_context(batch, outputs.hidden_states, positions)
+        batch.anchor = first
+        self._commit(batch, [[int(t)] for t in first])
+        return batch
+
+    def _extend_context(self, batch: DSparkBatchRows, hidden_states, positions: torch.LongTensor):
+        """The drafter's context gets the same new columns as the target's cache (holes included, masked later)."""
+        aux = torch.cat([hidden_states[i] for i in self.aux_layer_ids], dim=-1)
+        device = self.drafter.fc.weight.device
+        self.drafter.extend_context(batch.drafter_cache, aux.to(device), positions.to(device))
+
+    # -------------------------------------------------------------------------------------------------- a round
+
+    def _round(self, batch: DSparkBatchRows):
+        """Draft, verify, accept and commit once for every active row."""
+        started = time.perf_counter()
+        room = self._room(batch)  # (a,) drafts each row may still propose
+        drafts = self._draft(batch, int(room.max()))
+        drafted_s = time.perf_counter() - started
+        counts = torch.minimum(room, torch.full_like(room, drafts.token_ids.shape[1]))  # (a,) drafts verified
+        logits, outputs = self._verify(batch, drafts.token_ids, counts)
+        accepted, bonus = self._accept(batch, drafts, counts, logits)
+        self.schedule.observe_round(drafts, counts, accepted, batch.rows.numel(), drafted_s,
+                                    time.perf_counter() - started - drafted_s)
+        self._record(counts, accepted, drafted_s, time.perf_counter() - started - drafted_s)
+        self._advance(batch, drafts.token_ids, counts, accepted, bonus, outputs)
+
+    def _room(self, batch: DSparkBatchRows) -> torch.LongTensor:
+        """Per row, how many drafts fit before max_length (the bonus token takes one place)."""
+        lengths = torch.tensor([len(self.generated[int(r)]) for r in batch.rows], device=batch.rows.device)
+        room = self.config.max_length - self.prompt.shape[1] - lengths - 1
+        return room.clamp(min=0, max=self.settings.num_drafts)
+
+    def _draft(self, batch: DSparkBatchRows, room: int):
+        """One block per row; the width schedule decides how many drafts the batch verifies (0: a plain step)."""
+        self.schedule.batch_size = batch.rows.numel()
+        self.schedule.context_length = batch.mask.shape[1]
+        if room == 0 or self.schedule.should_skip():
+            return SimpleNamespace(token_ids=batch.anchor.new_zeros((batch.anchor.shape[0], 0)), target_logits=None)
+        device = self.drafter.fc.weight.device
+        return self.drafter.draft_batch(batch.drafter_cache, batch.anchor.to(device), batch.next_position.to(device),
+                                        batch.mask.bool().to(device), room, self.chooser, self.schedule)
+
+    def _verify(self, batch: DSparkBatchRows, tokens: torch.LongTensor, counts: torch.LongTensor):
+        """One target forward of [anchor, drafts] per row, w + 1 wide; a row's slots past its drafts are masked."""
+        tokens = tokens.to(batch.anchor.device)
+        width = tokens.shape[1]
+        slots = torch.arange(width + 1, device=tokens.device)
+        ids = torch.cat([batch.anchor[:, None], tokens], dim=1)  # (a, w + 1)
+        valid = (slots[None, :] <= counts[:, None]).long()
+        outputs = self.target(input_ids=ids, attention_mask=torch.cat([batch.mask, valid], dim=1),
+                              position_ids=batch.next_position[:, None] + slots, cache=batch.target_cache,
+                              use_cache=True, output_hidden_states=self.aux_layer_ids)
+        return self._processed(batch, ids, outputs.logits.float()), outputs
+
+    def _processed(self, batch: DSparkBatchRows, ids: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
+        """The target's logits (a, w + 1, V) after the logits processors, slot j of row r seeing exactly the ids plain
+        batched generate would pass there (the row's padded prompt, its tokens, its drafts before j)."""
+        if not self.processors:
+            return logits
+        if self.batched_processors:  # probability-only warpers: every row alike, ids unread
+            flat = logits.reshape(-1, logits.shape[-1])
+            return self.processors(ids.reshape(-1, 1), flat).reshape(logits.shape)
+        for i, row in enumerate(batch.rows.tolist()):
+            sequence = self._sequence(row)
+            for j in range(ids.shape[1]):
+                prefix = torch.cat([sequence, ids[i, 1 : j + 1]])[None]
+                logits[i, j] = self.processors(prefix, logits[i, j][None])[0]
+        return logits
+
+    def _sequence(self, row: int) -> torch.LongTensor:
+        """Row `row` as plain batched generate holds it: its padded prompt and every token committed since."""
+        return torch.cat([self.prompt[row], self.prompt.new_tensor(self.generated[row])])
+
+    # -------------------------------------------------------------------------------------------------- acceptance
+
+    def _accept(self, batch, drafts, counts: torch.LongTensor, logits: torch.Tensor):
+        """(accepted drafts per row (a,), the token after them (a,)): greedy, the target's argmax wherever the drafts
+        agreed with it; sampling, speculative sampling row by row."""
+        tokens = drafts.token_ids.to(logits.device)
+        slots = torch.arange(tokens.shape[1], device=logits.device)
+        proposed = slots[None, :] < counts[:, None]
+        if not self.do_sample:
+            choice = logits.argmax(dim=-1)  # (a, w + 1)
+            agree = (tokens == choice[:, :-1]) & proposed
+            accepted = agree.long().cumprod(dim=1).sum(dim=1)
+            return accepted, choice.gather(1, accepted[:, None]).squeeze(1)
+        return self._accept_sampled(tokens, drafts.target_logits, proposed, logits)
+
+    def _accept_sampled(self, tokens, draft_scores, proposed, logits):
+        """Draft n survives with probability min(1, p(x)/q(x)); the first that does not is replaced by a draw from
+        norm(max(p - q, 0)), and a row whose drafts all survive draws its bonus token from p (Leviathan et al.)."""
+        p = F.softmax(logits, dim=-1)  # (a, w + 1, V)
+        if tokens.shape[1] == 0:
+            return tokens.new_zeros(tokens.shape[0]), torch.multinomial(p[:, 0], 1).squeeze(1)
+        q = F.softmax(draft_scores.to(p.device).float(), dim=-1)  # (a, w, V)
+        p_x, q_x = p[:, :-1].gather(2, tokens[..., None]).squeeze(2), q.gather(2, tokens[..., None]).squeeze(2)
+        survives = (torch.rand_like(p_x) * q_x < p_x) & proposed
+        accepted = survives.long().cumprod(dim=1).sum(dim=1)  # (a,)
+        rejected = accepted < proposed.sum(dim=1)
+        at = accepted[:, None, None].expand(-1, 1, p.shape[-1])
+        q_at = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1).gather(1, at).squeeze(1)
+        residual = (p.gather(1, at).squeeze(1) - q_at * rejected[:, None]).clamp_(min=0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p.gather(1, at).squeeze(1))
+        return accepted, torch.multinomial(residual, 1).squeeze(1)
+
+    # -------------------------------------------------------------------------------------------------- commit
+
+    def _advance(self, batch: DSparkBatchRows, tokens, counts, accepted, bonus, outputs):
+        """Commit each row's accepted drafts and bonus token, mark its rejected columns as holes, move the anchors,
+        and let finished rows go."""
+        width = tokens.shape[1]
+        slots = torch.arange(width + 1, device=accepted.device)
+        new_positions = batch.next_position[:, None] + slots
+        self._extend_context(batch, outputs.hidden_states, new_positions)
+        batch.mask = torch.cat([batch.mask, (slots[None, :] <= accepted[:, None]).long()], dim=1)
+        tokens = tokens.to(accepted.device)
+        committed = [tokens[i, : int(accepted[i])].tolist() + [int(bonus[i])] for i in range(accepted.shape[0])]
+        batch.next_position = batch.next_position + accepted + 1
+        batch.anchor = bonus
+        self._commit(batch, committed)
+        batch.tidy()
+
+    def _commit(self, batch: DSparkBatchRows, committed: list[list[int]]):
+        """Append each row's new tokens up to the first on which it stops (EOS, max length, stop strings, custom
+        criteria), then drop the rows that are done."""
+        for row, tokens in zip(batch.rows.tolist(), committed):
+            for token in tokens:
+                self.generated[row].append(token)
+                if self.stopped_at[row] is None and bool(self.stopping_criteria(self._sequence(row)[None], None).any()):
+                    self.stopped_at[row] = len(self.generated[row])
+                    if self.pads_finished:
+                        break
+        keep = torch.tensor([not self._done(row) for row in batch.rows.tolist()], device=batch.rows.device)
+        if not bool(keep.all()):
+            batch.keep(keep)
+
+    def _done(self, row: int) -> bool:
+        """A row is done when it stopped (pads follow), or, where transformers writes on after a stop, at max length
+        or once every row has stopped and this one has reached the last stop."""
+        if self.stopped_at[row] is None:
+            return False
+        if self.pads_finished or self.prompt.shape[1] + len(self.generated[row]) >= self.config.max_length:
+            return True
+        return None not in self.stopped_at and len(self.generated[row]) >= max(self.stopped_at)
+
+    def _record(self, counts, accepted, draft_s: float, verify_s: float):
+        self.stats.widths.append(int(counts.max()) if counts.numel() else 0)
+        self.stats.drafted += counts.tolist()
+        self.stats.accepted += accepted.tolist()
+        self.stats.draft_time_s += draft_s
+        self.stats.verify_time_s += verify_s
+
+    def _output(self):
+        """Plain generate's layout: the padded prompts, then each row's tokens, padded after a finished row."""
+        pad = self.config._pad_token_tensor
+        pad = int(pad) if pad is not None else 0
+        longest = max(self.stopped_at)  # the step at which plain generate's last row stopped
+        rows = [tokens[:longest] + [pad] * (longest - len(tokens)) for tokens in self.generated]
+        sequences = torch.cat([self.prompt, self.prompt.new_tensor(rows)], dim=1)
+        if self.config.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(sequences=sequences)
+        return sequences
+
+
+__all__ = ["DSparkBatchGeneration", "DSparkBatchTokenChooser", "VOCAB_AGNOSTIC_WARPERS", "check_batch_limits"]

@@ -1,0 +1,320 @@
+"""Batched speculative generation: `generate(**padded_batch, assistant_model=drafter)` is lossless row by row.
+
+Greedy fp32 rows are token-identical to plain batched `generate` (tiny targets with random and oracle drafters; the
+real SmolLM2 target with the shipped drafter, stop strings and a custom criterion in the mix); sampled rows pass a χ²
+test at every row position; what a batch cannot do is refused in one line; finished rows leave the batch; the caches
+stay compact; the batch width schedules choose as their costs say.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import types
+
+import pytest
+import torch
+from conftest import make_drafter, make_tiny_target
+from test_generation import ALPHA, SAMPLES, chi_square_p_value, sampling_setup, target_greedy_continuation
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+
+from dspark_hf.remote_code import batching_dspark, scheduling_dspark
+from dspark_hf.remote_code.profiling_dspark import DSparkBatchVerifyProfile
+
+PROMPTS = [[1, 17, 42, 9], [1, 5, 5, 5, 60, 61, 62, 30, 11], [1, 88, 3, 77, 14, 50], [1, 30], [1, 7, 7, 7, 7, 7, 7],
+           [1, 91, 4], [1, 60, 61, 62, 63, 64], [1, 2, 40, 41, 42, 43, 44, 45, 46, 47]]
+
+
+def left_padded(prompts: list[list[int]], pad: int = 0) -> dict[str, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    return {"input_ids": torch.tensor([[pad] * (width - len(p)) + p for p in prompts]),
+            "attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])}
+
+
+def batched_greedy(target, batch, **kwargs):
+    return target.generate(**batch, do_sample=False, pad_token_id=0, **kwargs)
+
+
+@pytest.fixture
+def batch_oracle(monkeypatch):
+    """Make every batched round propose each row's own greedy continuation (wrong from draft `wrong_from` on): long
+    accepted runs, EOS and max_new_tokens inside a block, ragged acceptance across rows."""
+    settings = {"wrong_from": None}
+
+    def draft(self, batch, room):
+        mask = self.model_kwargs["attention_mask"]
+        rows = []
+        for row in batch.rows.tolist():
+            sequence = self._sequence(row)[torch.cat([mask[row], mask.new_ones(len(self.generated[row]))]).bool()]
+            tokens = target_greedy_continuation(self.target, sequence[None], room)[0] if room else sequence[:0]
+            if settings["wrong_from"] is not None:
+                tokens[settings["wrong_from"]:] = (tokens[settings["wrong_from"]:] + 1) % self.target.config.vocab_size
+            rows.append(tokens)
+        return types.SimpleNamespace(token_ids=torch.stack(rows), target_logits=None)
+
+    monkeypatch.setattr(batching_dspark.DSparkBatchGeneration, "_draft", draft)
+    return settings
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_batched_greedy_is_token_identical_to_plain_batched_generate(architecture):
+    """Random drafter, every batch size 2..8, EOS on and off: the same tensor as plain batched generate."""
+    target = make_tiny_target(architecture)
+    drafter = make_drafter(target, block_size=5)
+    for size, eos, length in itertools.product([2, 3, 5, 8], [None, 7], [1, 6, 19]):
+        batch = left_padded(PROMPTS[:size])
+        expected = batched_greedy(target, batch, max_new_tokens=length, eos_token_id=eos)
+        assert torch.equal(batched_greedy(target, batch, max_new_tokens=length, eos_token_id=eos, assistant_model=drafter),
+                           expected), (size, eos, length)
+
+
+@pytest.mark.parametrize("wrong_from", [None, 0, 2])
+def test_batched_greedy_with_accepted_drafts_is_token_identical(batch_oracle, wrong_from):
+    """Perfect and partly perfect drafts: rows accept different numbers of drafts every round (holes in the cache),
+    stop on EOS inside a block, and finish at different rounds."""
+    batch_oracle["wrong_from"] = wrong_from
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, block_size=5)
+    batch = left_padded(PROMPTS)
+    for eos, length in [(None, 23), (62, 23), (7, 9)]:
+        expected = batched_greedy(target, batch, max_new_tokens=length, eos_token_id=eos)
+        out = batched_greedy(target, batch, max_new_tokens=length, eos_token_id=eos, assistant_model=drafter)
+        assert torch.equal(out, expected), (eos, length)
+        stats = drafter.last_generation_stats
+        assert (sum(stats.accepted) > 0) == (wrong_from != 0)
+
+
+class StopAfterToken(StoppingCriteria):
+    """A custom criterion: a row stops once it has produced `token` (per row, as transformers' criteria are)."""
+
+    def __init__(self, token: int, prompt_length: int):
+        self.token, self.prompt_length = token, prompt_length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, self.prompt_length:] == self.token).any(dim=1)
+
+
+def test_custom_stopping_criterion_and_min_new_tokens_end_rows_where_plain_generate_does(batch_oracle):
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, block_size=5)
+    batch = left_padded(PROMPTS)
+    width = batch["input_ids"].shape[1]
+    for token in range(40, 96, 7):
+        options = dict(max_new_tokens=20, eos_token_id=None, min_new_tokens=3,
+                       stopping_criteria=StoppingCriteriaList([StopAfterToken(token, width)]))
+        expected = batched_greedy(target, batch, **options)
+        assert torch.equal(batched_greedy(target, batch, assistant_model=drafter, **options), expected), token
+
+
+def test_return_dict_in_generate_gives_the_same_sequences():
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    batch = left_padded(PROMPTS[:4])
+    expected = batched_greedy(target, batch, max_new_tokens=8, return_dict_in_generate=True).sequences
+    out = batched_greedy(target, batch, max_new_tokens=8, return_dict_in_generate=True, assistant_model=drafter)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_finished_rows_leave_the_batch_and_the_cache_stays_compact(batch_oracle, monkeypatch):
+    """After a row stops, verify passes carry fewer rows; and the holes of rejected drafts never pile up: the target's
+    cache never holds much more than the longest row."""
+    batch_oracle["wrong_from"] = 1  # one accepted draft per round, four holes
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, block_size=5)
+    rows_seen, columns_seen = [], []
+    verify = batching_dspark.DSparkBatchGeneration._verify
+
+    def recording_verify(self, batch, tokens, counts):
+        rows_seen.append(batch.rows.numel())
+        columns_seen.append(batch.mask.shape[1])
+        return verify(self, batch, tokens, counts)
+
+    monkeypatch.setattr(batching_dspark.DSparkBatchGeneration, "_verify", recording_verify)
+    batch = left_padded(PROMPTS[:4])
+    out = batched_greedy(target, batch, max_new_tokens=60, eos_token_id=7, assistant_model=drafter)
+    assert torch.equal(out, batched_greedy(target, batch, max_new_tokens=60, eos_token_id=7))
+    finished_early = (out[:, batch["input_ids"].shape[1]:] == 0).any(dim=1)
+    assert finished_early.any() and rows_seen[-1] < 4 and rows_seen == sorted(rows_seen, reverse=True)
+    longest = batch["input_ids"].shape[1] + 60
+    assert max(columns_seen) <= longest / (1 - batching_dspark.COMPACT_WHEN_WASTED) + 5
+
+
+def test_compaction_keeps_each_rows_columns_in_order():
+    """Both caches move every row's valid columns to the right end, in order, and the mask follows."""
+    mask = torch.tensor([[1, 0, 1, 1, 0, 0], [0, 1, 1, 0, 1, 1]])
+    keys = torch.arange(12.0).reshape(2, 1, 6, 1)
+    target_cache = DynamicCache()
+    target_cache.update(keys, keys + 100, 0)
+    drafter = make_drafter(make_tiny_target("llama"))
+    drafter_cache = drafter.new_context_cache()
+    drafter_cache.update(0, keys.clone(), keys.clone())
+    rows = batching_dspark.DSparkBatchRows(torch.arange(2), mask, target_cache, drafter_cache)
+    rows._compact(4)
+    assert rows.mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
+    assert target_cache.layers[0].keys[:, 0, :, 0].tolist() == [[5.0, 0.0, 2.0, 3.0], [7.0, 8.0, 10.0, 11.0]]
+    assert drafter_cache.keys[0][:, 0, :, 0].tolist() == target_cache.layers[0].keys[:, 0, :, 0].tolist()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"num_beams": 2}, "beam search"),
+    ({"num_return_sequences": 2, "do_sample": True}, "one sequence"),
+    ({"return_dict_in_generate": True, "output_scores": True}, "sequences only"),
+])
+def test_what_a_batch_cannot_do_is_refused_in_one_line(options, message):
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target)
+    with pytest.raises(ValueError, match=message):
+        target.generate(**left_padded(PROMPTS[:2]), max_new_tokens=4, pad_token_id=0, assistant_model=drafter, **options)
+
+
+def test_right_padding_and_sliding_window_targets_are_refused_with_the_fix():
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target)
+    right = {"input_ids": torch.tensor([[1, 17, 42], [1, 5, 0]]), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    with pytest.raises(ValueError, match='padding_side="left"'):
+        target.generate(**right, max_new_tokens=4, pad_token_id=0, assistant_model=drafter)
+    gemma = make_tiny_target("gemma3")
+    with pytest.raises(ValueError, match="full attention only"):
+        gemma.generate(**left_padded(PROMPTS[:2]), max_new_tokens=4, pad_token_id=0, assistant_model=make_drafter(gemma))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling: every row of a batch samples from the target's distribution
+
+
+def exact_pairs(target, prompt: list[int], temperature: float) -> torch.Tensor:
+    """P(t2, t3) of plain sampling after `prompt` (3 new tokens, t1 marginalized), by enumeration."""
+    V = target.config.vocab_size
+    triples = torch.tensor(list(itertools.product(range(V), repeat=3)))
+    sequences = torch.cat([torch.tensor(prompt).expand(len(triples), -1), triples], dim=1)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(target(sequences).logits.double() / temperature, dim=-1)
+    L = len(prompt)
+    joint = sum(logprobs[torch.arange(len(triples)), L - 1 + i, triples[:, i]] for i in range(3)).exp()
+    return joint.reshape(V, V, V).sum(0)
+
+
+@pytest.mark.parametrize("markov_head_type, temperature", [("vanilla", 1.0), ("rnn", 0.7)])
+def test_batched_sampling_matches_plain_sampling_at_every_row_position(markov_head_type, temperature):
+    target, drafter = sampling_setup(markov_head_type)
+    prompts = [[1, 3, 4, 2, 3], [1, 2], [1, 3, 4, 2, 3], [1, 4, 4]]
+    batch = left_padded(prompts)
+    counts = torch.zeros(len(prompts), target.config.vocab_size, target.config.vocab_size)
+    torch.manual_seed(0)
+    for _ in range(SAMPLES):
+        out = target.generate(**batch, max_new_tokens=3, do_sample=True, temperature=temperature, top_k=0,
+                              eos_token_id=None, pad_token_id=0, assistant_model=drafter)
+        for row in range(len(prompts)):
+            counts[row, out[row, -2], out[row, -1]] += 1
+    assert sum(drafter.last_generation_stats.accepted) > 0  # drafts were accepted, not only rejected
+    for row, prompt in enumerate(prompts):
+        p = chi_square_p_value(counts[row], exact_pairs(target, prompt, temperature))
+        assert p > ALPHA, (row, p)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batch widths and the batch verify profile
+
+
+def batch_profile(slope: float, sizes=(1, 4, 16), widths=(0, 1, 3, 7)) -> DSparkBatchVerifyProfile:
+    """t(B, w) = B · (1 + slope · w) / 4 + 1: a fixed cost per pass, plus work per row and per drafted slot."""
+    times = [[size * (1 + slope * w) / 4 + 1 for w in widths] for size in sizes]
+    return DSparkBatchVerifyProfile({"target": "synthetic", "axis": "batch"}, list(sizes), list(widths), 64, times,
+                                    [[0.0] * len(widths)] * len(sizes))
+
+
+def chosen_width(schedule, confidences: list[torch.Tensor]) -> int:
+    schedule.start()
+    drafted = 0
+    for c in confidences:
+        if not schedule.admit(c):
+            break
+        drafted += 1
+    return schedule.finish(drafted)
+
+
+def test_batch_profile_interpolates_widths_and_batch_sizes():
+    profile = batch_profile(1.0)
+    assert profile.verify_time(4, 3) == pytest.approx(5.0)
+    assert profile.verify_time(4, 2) == pytest.approx((profile.verify_time(4, 1) + profile.verify_time(4, 3)) / 2)
+    assert profile.verify_time(2, 1) == pytest.approx((2 * profile.verify_time(1, 1) + profile.verify_time(4, 1)) / 3)
+    assert profile.verify_time(32, 7) == pytest.approx(2 * profile.verify_time(16, 7))
+    assert DSparkBatchVerifyProfile.from_dict(profile.to_dict()) == profile
+    with pytest.raises(ValueError):
+        DSparkBatchVerifyProfile.from_dict({**profile.to_dict(), "verify_time_s": [[1.0]] * 3})
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_hardware_width_drafts_when_verifying_is_cheap_and_steps_plainly_when_it_is_dear(lookahead):
+    sure = [torch.full((8,), 0.95)] * 7
+    cheap = scheduling_dspark.DSparkBatchHardwareWidth(batch_profile(0.01), 7, lookahead=lookahead)
+    cheap.batch_size = 8
+    assert chosen_width(cheap, sure) == 7
+    dear = scheduling_dspark.DSparkBatchHardwareWidth(batch_profile(3.0), 7, lookahead=lookahead)
+    dear.batch_size = 8
+    assert chosen_width(dear, sure) == 0 and dear.should_skip()  # a plain step, then the drafter rests
+
+
+def test_hardware_width_grows_with_the_rows_survivals():
+    """Same costs: a batch whose rows are sure drafts wider than one whose rows are not."""
+    schedule = scheduling_dspark.DSparkBatchHardwareWidth(batch_profile(0.3), 7)
+    schedule.batch_size = 8
+    assert chosen_width(schedule, [torch.full((8,), 0.9)] * 7) > chosen_width(schedule, [torch.full((8,), 0.4)] * 7)
+
+
+def test_threshold_and_verify_cost_widths_follow_the_rows():
+    threshold = scheduling_dspark.DSparkBatchThresholdWidth(0.5)
+    rows = [torch.tensor([0.9, 0.3])] * 7  # the first row's survival 0.9^n falls below 0.5 after five drafts
+    assert chosen_width(threshold, rows) == 6
+    verify_cost = scheduling_dspark.DSparkBatchVerifyCostWidth(verify_cost=0.2)
+    verify_cost.batch_size = 2
+    assert 0 < chosen_width(verify_cost, rows) < 7
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The real target and the shipped drafter
+
+
+def test_smollm2_batches_are_token_identical_to_plain_batched_generate(smollm2):
+    """41 held-out prompts of mixed lengths (chat, multi-turn chat, code) at batch sizes 2, 3, 8 and 16, fp32 greedy,
+    with stop strings, a custom criterion and EOS in the mix: every row equals plain batched generate's."""
+    from dspark_hf.evaluation import load_drafter
+    from dspark_hf.prompts import domain_prompts
+
+    target, tokenizer = smollm2
+    drafter = load_drafter("examples/smollm2-dspark", target, torch.float32)
+    prompts = (domain_prompts("chitchat", "test", 16) + domain_prompts("chitchat-long:test:3", "test", 16)
+               + domain_prompts("humaneval:all", "test", 9))
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    newline = tokenizer.encode("\n")[-1]
+    groups = [(2, {"stop_strings": [". "], "tokenizer": tokenizer})] * 4 + [(3, {"custom": newline})] * 3 + [
+        (8, {"stop_strings": ["!"], "tokenizer": tokenizer, "custom": newline}), (16, {})]
+    start, rows = 0, 0
+    for size, options in groups:
+        batch = tokenizer(texts[start : start + size], padding=True, padding_side="left", return_tensors="pt")
+        start += size
+        options = dict(options)
+        if "custom" in options:
+            criterion = StopAfterToken(options.pop("custom"), batch["input_ids"].shape[1])
+            options["stopping_criteria"] = StoppingCriteriaList([criterion])
+        expected = target.generate(**batch, max_new_tokens=24, do_sample=False, **options)
+        out = target.generate(**batch, max_new_tokens=24, do_sample=False, assistant_model=drafter, **options)
+        assert torch.equal(out, expected), (size, options.keys())
+        rows += size
+    assert rows == len(prompts) >= 32 and sum(drafter.last_generation_stats.accepted) > 0  # drafts were accepted
+
+
+def test_profile_command_shows_the_batch_axis(tmp_path, monkeypatch, capsys):
+    """`dspark-hf profile --batch-sizes 1 2 4`: t(B, w) measured, stored beside t(k) under its own key, printed."""
+    from dspark_hf import cli
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    make_tiny_target("llama").save_pretrained(tmp_path / "tiny")
+    code = cli.main(["profile", "--target", str(tmp_path / "tiny"), "--dtype", "float32", "--max-drafts", "3",
+                     "--contexts", "8", "--repeats", "2", "--batch-sizes", "4", "1", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "batched verify cost t(B, w)" in out
+    stored = sorted((tmp_path / "hf" / "dspark" / "profiles").glob("*.json"))
+    batch = [DSparkBatchVerifyProfile.from_dict(json.loads(p.read_text())) for p in stored if '"axis"' in p.read_text()]
+    assert len(stored) == 2 and len(batch) == 1
+    assert batch[0].batch_sizes == [1, 2, 4] and batch[0].widths == [0, 1, 3] and batch[0].key["axis"] == "batch"
