@@ -197,7 +197,7 @@ def test_eval_and_bench_commands_run_on_a_tiny_model(tiny, tmp_path, capsys):
 
 
 def test_bench_batch_size_runs_batched_methods_side_by_side(tiny, tmp_path, capsys):
-    """`bench --batch-size 3`: left-padded batches of the domain's prompts, plain against the DSpark drafters (the
+    """`bench --batch-size 2`: left-padded batches of the domain's prompts, plain against the DSpark drafters (the
     one-row baselines left out), the same texts as plain batched generate, and what the width schedule chose."""
     from dspark_hf import benchmark
     from dspark_hf.data import write_jsonl
@@ -210,15 +210,15 @@ def test_bench_batch_size_runs_batched_methods_side_by_side(tiny, tmp_path, caps
     parser = argparse.ArgumentParser()
     benchmark.add_arguments(parser)
     args = parser.parse_args(["--model", str(tmp_path / "dspark"), "--target", str(tmp_path / "target"), "--prompts",
-                              str(tmp_path / "prompts.jsonl"), "--split", "all", "--num-prompts", "5", "--batch-size", "3",
+                              str(tmp_path / "prompts.jsonl"), "--split", "all", "--num-prompts", "3", "--batch-size", "2",
                               "--max-new-tokens", "6", "--repetitions", "1", "--dtype", "float32", "--json",
                               str(tmp_path / "bench.json")])
     assert benchmark.run(args) == 0
     out = capsys.readouterr().out
-    assert "batch size: 3 (left-padded" in out and "\ndspark " in out
+    assert "batch size: 2 (left-padded" in out and "\ndspark " in out
     domain = json.loads((tmp_path / "bench.json").read_text())["domains"][str(tmp_path / "prompts.jsonl")]
     assert not set(benchmark.ONE_ROW_METHODS) & set(domain["modes"]["greedy"])  # transformers serves them one row at a time
-    assert domain["prompts"] == 5 and domain["calls"] == 2  # batches of 3 and 2
+    assert domain["prompts"] == 3 and domain["calls"] == 2  # batches of 2 and 1
     for method in ("dspark", "dspark-fixed"):
         live = domain["modes"]["greedy"][method]
         assert live["identical_to_plain"] == 2 and live["batch_rounds"] > 0 and 0 <= live["plain_step_share"] <= 1
