@@ -34,20 +34,20 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .generation_dspark import DSparkDraftingSettings, DSparkGenerationStats, check_generation_limits, decoding_key
-from .scheduling_dspark import (
+from .batch_widths_dspark import (
     DSparkBatchHardwareWidth,
     DSparkBatchThresholdWidth,
     DSparkBatchVerifyCostWidth,
     DSparkBatchWidth,
 )
+from .generation_dspark import DSparkDraftingSettings, DSparkGenerationStats, check_generation_limits, decoding_key
 
 # Warpers that read nothing but the scores' probabilities: on the draft vocabulary they keep and rescale exactly the
 # tokens they would keep among the same logits scattered to the target vocabulary (-inf elsewhere has probability 0),
 # and on a batch they treat every row alike, whatever ids it holds.
 VOCAB_AGNOSTIC_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
-COMPACT_WHEN_WASTED = 0.25  # compact the caches once this share of their columns are holes
+COMPACT_WHEN_WASTED = 0.15  # compact the caches once this share of their columns are holes
 
 
 class DSparkBatchTokenChooser:
@@ -92,17 +92,20 @@ def check_batch_limits(target: PreTrainedModel, generation_config: GenerationCon
                          "tokenize with padding_side=\"left\".")
 
 
-def batch_width_schedule(drafter, target: PreTrainedModel, settings: DSparkDraftingSettings, do_sample: bool):
+def batch_width_schedule(drafter, target: PreTrainedModel, settings: DSparkDraftingSettings, do_sample: bool, key: tuple):
     """The width schedule the drafting settings ask for (the batch forms of the batch-1 schedules); the hardware
-    schedule is priced by the target's measured t(B, w) and starts from the confidence bias earlier calls learned."""
+    schedule is priced by the target's measured t(B, w) and by the live round costs earlier calls of the same decoding
+    setting (`key`) saw."""
     if settings.verify_cost is not None:
         return DSparkBatchVerifyCostWidth(settings.verify_cost, settings.confidence_threshold)
     if settings.confidence_threshold is not None:
         return DSparkBatchThresholdWidth(settings.confidence_threshold)
     if not settings.hardware:
         return DSparkBatchWidth()
-    profile = drafter.drafting_state.batch_verify_profile_for(target, settings.num_drafts)
-    return DSparkBatchHardwareWidth(profile, settings.num_drafts, settings.min_gain, settings.lookahead and not do_sample)
+    state = drafter.drafting_state
+    profile = state.batch_verify_profile_for(target, settings.num_drafts)
+    return DSparkBatchHardwareWidth(profile, settings.num_drafts, settings.min_gain, settings.lookahead and not do_sample,
+                                    round_factors=state.batch_round_factors.setdefault(key, {}))
 
 
 class DSparkBatchRows:
@@ -164,12 +167,13 @@ class DSparkBatchGeneration:
         self.do_sample = bool(generation_config.do_sample)
         self.aux_layer_ids = list(drafter.config.aux_hidden_state_layer_ids)
         self.settings = DSparkDraftingSettings.from_drafter(drafter)
-        self.schedule = batch_width_schedule(drafter, target, self.settings, self.do_sample)
         self.bias_key = decoding_key(target, generation_config)
+        self.schedule = batch_width_schedule(drafter, target, self.settings, self.do_sample, self.bias_key)
         self.schedule.bias = drafter.drafting_state.confidence_bias.get(self.bias_key, 0.0)
         self.chooser = DSparkBatchTokenChooser(drafter.draft_to_target_ids, drafter.config.vocab_size, self.do_sample,
                                                logits_processor)
         self.stats = drafter.drafting_state.last_stats = DSparkGenerationStats(num_draft_tokens=drafter.num_draft_tokens)
+        self.drafter_ran = True  # whether the drafter ran this round (`_draft` says)
 
     # -------------------------------------------------------------------------------------------------- the call
 
@@ -225,7 +229,7 @@ class DSparkBatchGeneration:
         counts = torch.minimum(room, torch.full_like(room, drafts.token_ids.shape[1]))  # (a,) drafts verified
         logits, outputs = self._verify(batch, drafts.token_ids, counts)
         accepted, bonus = self._accept(batch, drafts, counts, logits)
-        self.schedule.observe_round(drafts, counts, accepted, batch.rows.numel(), drafted_s,
+        self.schedule.observe_round(counts, accepted, batch.rows.numel(), self.drafter_ran, drafted_s,
                                     time.perf_counter() - started - drafted_s)
         self._record(counts, accepted, drafted_s, time.perf_counter() - started - drafted_s)
         self._advance(batch, drafts.token_ids, counts, accepted, bonus, outputs)
@@ -241,7 +245,10 @@ class DSparkBatchGeneration:
         self.schedule.batch_size = batch.rows.numel()
         self.schedule.context_length = batch.mask.shape[1]
         if room == 0 or self.schedule.should_skip():
+            self.schedule.start()  # a round without drafts: nothing of an earlier round's is learned from again
+            self.drafter_ran = False
             return SimpleNamespace(token_ids=batch.anchor.new_zeros((batch.anchor.shape[0], 0)), target_logits=None)
+        self.drafter_ran = True
         device = self.drafter.fc.weight.device
         return self.drafter.draft_batch(batch.drafter_cache, batch.anchor.to(device), batch.next_position.to(device),
                                         batch.mask.bool().to(device), room, self.chooser, self.schedule)

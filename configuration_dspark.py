@@ -24,6 +24,7 @@ REMOTE_CODE_FILES = (
     "modeling_dspark.py",
     "generation_dspark.py",
     "batching_dspark.py",
+    "batch_widths_dspark.py",
     "routing_dspark.py",
     "scheduling_dspark.py",
     "profiling_dspark.py",

@@ -18,7 +18,7 @@ from conftest import make_drafter, make_tiny_target
 from test_generation import ALPHA, SAMPLES, chi_square_p_value, sampling_setup, target_greedy_continuation
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from dspark_hf.remote_code import batching_dspark, scheduling_dspark
+from dspark_hf.remote_code import batch_widths_dspark, batching_dspark
 from dspark_hf.remote_code.profiling_dspark import DSparkBatchVerifyProfile
 
 PROMPTS = [[1, 17, 42, 9], [1, 5, 5, 5, 60, 61, 62, 30, 11], [1, 88, 3, 77, 14, 50], [1, 30], [1, 7, 7, 7, 7, 7, 7],
@@ -247,26 +247,26 @@ def test_batch_profile_interpolates_widths_and_batch_sizes():
 @pytest.mark.parametrize("lookahead", [False, True])
 def test_hardware_width_drafts_when_verifying_is_cheap_and_steps_plainly_when_it_is_dear(lookahead):
     sure = [torch.full((8,), 0.95)] * 7
-    cheap = scheduling_dspark.DSparkBatchHardwareWidth(batch_profile(0.01), 7, lookahead=lookahead)
+    cheap = batch_widths_dspark.DSparkBatchHardwareWidth(batch_profile(0.01), 7, lookahead=lookahead)
     cheap.batch_size = 8
     assert chosen_width(cheap, sure) == 7
-    dear = scheduling_dspark.DSparkBatchHardwareWidth(batch_profile(3.0), 7, lookahead=lookahead)
+    dear = batch_widths_dspark.DSparkBatchHardwareWidth(batch_profile(3.0), 7, lookahead=lookahead)
     dear.batch_size = 8
     assert chosen_width(dear, sure) == 0 and dear.should_skip()  # a plain step, then the drafter rests
 
 
 def test_hardware_width_grows_with_the_rows_survivals():
     """Same costs: a batch whose rows are sure drafts wider than one whose rows are not."""
-    schedule = scheduling_dspark.DSparkBatchHardwareWidth(batch_profile(0.3), 7)
+    schedule = batch_widths_dspark.DSparkBatchHardwareWidth(batch_profile(0.3), 7)
     schedule.batch_size = 8
     assert chosen_width(schedule, [torch.full((8,), 0.9)] * 7) > chosen_width(schedule, [torch.full((8,), 0.4)] * 7)
 
 
 def test_threshold_and_verify_cost_widths_follow_the_rows():
-    threshold = scheduling_dspark.DSparkBatchThresholdWidth(0.5)
+    threshold = batch_widths_dspark.DSparkBatchThresholdWidth(0.5)
     rows = [torch.tensor([0.9, 0.3])] * 7  # the first row's survival 0.9^n falls below 0.5 after five drafts
     assert chosen_width(threshold, rows) == 6
-    verify_cost = scheduling_dspark.DSparkBatchVerifyCostWidth(verify_cost=0.2)
+    verify_cost = batch_widths_dspark.DSparkBatchVerifyCostWidth(verify_cost=0.2)
     verify_cost.batch_size = 2
     assert 0 < chosen_width(verify_cost, rows) < 7
 

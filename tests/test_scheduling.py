@@ -285,6 +285,9 @@ def test_greedy_with_hardware_schedule_is_token_identical(architecture, slope):
             assert sum(stats.drafted) > 0
 
 
+DRAFT_TIME_S = 0.2  # a drafting round against the synthetic profile's 1 s plain step
+
+
 def test_greedy_lookahead_proposes_fewer_than_it_drafted_and_stays_token_identical(monkeypatch):
     """An uncalibrated confidence head (c_n all over the place) under a steep profile: rounds are cut back after
     drafting, and greedy output is still exactly plain generate's."""
@@ -298,6 +301,11 @@ def test_greedy_lookahead_proposes_fewer_than_it_drafted_and_stays_token_identic
         return kept
 
     monkeypatch.setattr(DSparkHardwareAwareSchedule, "finish", finish)
+    # the costs are the profile's and a fixed draft time, not the live timings, so the choices depend on the
+    # confidences alone, not on how busy the machine is
+    monkeypatch.setattr(DSparkHardwareAwareSchedule, "observe_draft_time",
+                        lambda self, seconds: setattr(self, "draft_time_s", DRAFT_TIME_S))
+    monkeypatch.setattr(DSparkHardwareAwareSchedule, "observe_verify_time", lambda self, *args: None)
     for prompt in PROMPTS:
         expected = greedy(target, prompt, max_new_tokens=24, eos_token_id=None)
         assert torch.equal(greedy(target, prompt, max_new_tokens=24, eos_token_id=None, assistant_model=drafter), expected)

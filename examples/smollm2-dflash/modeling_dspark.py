@@ -8,7 +8,8 @@ head variants → confidence head → token choice → context cache and outputs
 DSparkForDrafting (training forward, `draft_block`, and the factory that plugs the drafter into
 `target.generate(assistant_model=drafter)`). The rest lives beside this file, one concern each: `configuration_dspark`
 (config, presets, target check), `generation_dspark` (settings, stats, candidate generator), `routing_dspark` (the
-generate() hooks), `scheduling_dspark` (draft schedules, back-off, prompt lookup), `profiling_dspark` (verify cost).
+generate() hooks), `batching_dspark` and `batch_widths_dspark` (batched generation), `scheduling_dspark` (draft
+schedules, back-off, prompt lookup), `profiling_dspark` (verify cost).
 
 Notation: d hidden size, m aux layers, B block size, N drafts per block (B-1, or B with `sample_from_anchor`),
 V_t target vocab, V_d draft vocab, r Markov rank. Draft n (1..N) always predicts the token at position p+n, where
@@ -890,7 +891,6 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         tokens, scores, confidences = [], [], []
         prev = anchor_ids
         schedule.start()
-        base_logits = self.lm_head(draft_hidden).float() if draft_hidden.shape[1] else None  # (b, n, V_d)
         for n in range(draft_hidden.shape[1]):
             prev_embeds = self.markov_head.embed_previous(prev) if self.markov_head is not None else None
             if self.confidence_head is not None:
@@ -898,7 +898,7 @@ class DSparkForDrafting(DSparkPreTrainedModel):
                 if not schedule.admit(confidence):
                     break
                 confidences.append(confidence)
-            logits = base_logits[:, n]
+            logits = self.lm_head(draft_hidden[:, n]).float()  # (b, V_d), only for the positions the batch drafts
             if self.markov_head is not None:
                 bias, state = self.markov_head.step(draft_hidden[:, n], prev_embeds, state)
                 logits = logits + bias.float()

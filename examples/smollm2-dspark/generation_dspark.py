@@ -7,9 +7,10 @@ drafter's generation_config, read once) → the state a drafter keeps between ge
 candidate generator (one verify round at a time: extend the drafter's context, draft a block, let the schedule and
 the stops decide how much of it to propose, learn from the outcome). `routing_dspark.py` hands it to generate().
 
-Imports run one way: `modeling_dspark` → `routing_dspark` → this file → `scheduling_dspark` → `profiling_dspark` →
-`configuration_dspark` (the model needs its generator, the generator its schedules, the hardware schedule its
-profile, and everything the config). The generator reaches the model only through the drafter it is handed.
+Imports run one way: `modeling_dspark` → `routing_dspark`, `batching_dspark` → this file, `batch_widths_dspark` →
+`scheduling_dspark` → `profiling_dspark` → `configuration_dspark` (the model needs its generator and its batch loop,
+the loop its widths and these settings, the generator and the widths their schedules, the hardware schedules their
+profiles, and everything the config). The generator reaches the model only through the drafter it is handed.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class DSparkDraftingState:
     lookup_counts: dict[tuple, dict[int, list[float]]] = field(default_factory=dict)  # prompt-lookup outcomes
     verify_profile: DSparkVerifyProfile | None = None
     batch_verify_profile: DSparkBatchVerifyProfile | None = None  # t(B, w), the same for batched generation
+    batch_round_factors: dict[tuple, dict] = field(default_factory=dict)  # live cost of batch rounds per setting
     last_stats: "DSparkGenerationStats | None" = None  # what the last generate call did
     bound_target: str | None = None  # the target whose embeddings `bind_target` copied
 

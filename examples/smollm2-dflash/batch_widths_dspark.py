@@ -1,0 +1,204 @@
+# Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
+"""Batch widths: how many drafts a round of batched generation verifies for its rows.
+
+Remote-code file (imports only torch and transformers). A padded batch verifies one width w for all its rows, row i
+committing 1 + Σ_{n≤w} a_{i,n} tokens on average. The width grows position by position from the rows' confidences
+so far, never from the drafts themselves, so sampling stays lossless (as for the batch-1 schedules of
+`scheduling_dspark.py`, whose batch forms these are); greedy decoding may cut it back after seeing the whole block
+(`finish`). Every width schedule has the interface of `DSparkBatchWidth`, whose hooks do nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .scheduling_dspark import DSparkDrafterBackoff, DSparkHardwareAwareSchedule
+
+
+class DSparkBatchWidth:
+    """Fixed width: every draft of the block, for every row. The hooks do nothing here."""
+
+    prices_rounds = False  # True: the width is priced in seconds, and the confidence bias it learns is worth keeping
+    batch_size = 1  # active rows this round, set by the batch loop
+    context_length = 0  # cache columns this round, set by the batch loop
+    bias = 0.0
+
+    def start(self) -> None:
+        self.survivals: list[torch.Tensor] = []  # per admitted position n: (b,) a_{·,n}
+
+    def admit(self, confidences: torch.Tensor) -> bool:
+        """Position n's calibrated c_{·,n} (b,) -> True: every row drafts it."""
+        self.survivals.append(self._next_survival(confidences))
+        return True
+
+    def _next_survival(self, confidences: torch.Tensor) -> torch.Tensor:
+        return self.survivals[-1] * confidences if self.survivals else confidences
+
+    def finish(self, num_drafted: int) -> int:
+        return num_drafted
+
+    def should_skip(self) -> bool:
+        """True: the drafter rests this round (a plain batched step)."""
+        return False
+
+    def observe_round(self, counts, accepted, batch_size: int, drafter_ran: bool, draft_s: float, verify_s: float) -> None:
+        """After verification: how many drafts each row verified and accepted, whether the drafter ran, the times."""
+
+
+class DSparkBatchThresholdWidth(DSparkBatchWidth):
+    """Widen while some row's survival a_n stays at or above `threshold`."""
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def admit(self, confidences: torch.Tensor) -> bool:
+        survival = self._next_survival(confidences)
+        if not bool((survival >= self.threshold).any()):
+            return False
+        self.survivals.append(survival)
+        return True
+
+
+class DSparkBatchVerifyCostWidth(DSparkBatchThresholdWidth):
+    """The verify-cost rule summed over rows: widen while E / C rises, E = Σ_rows (1 + Σ_n a_n), C = 1 + verify_cost·w
+    (`verify_cost`: one more verified token per row relative to a whole verify pass)."""
+
+    def __init__(self, verify_cost: float, threshold: float | None = None):
+        super().__init__(-math.inf if threshold is None else threshold)
+        self.verify_cost = verify_cost
+
+    def start(self) -> None:
+        super().start()
+        self.expected, self.cost = float(self.batch_size), 1.0
+
+    def admit(self, confidences: torch.Tensor) -> bool:
+        if not super().admit(confidences):
+            return False
+        gained = float(self.survivals[-1].sum())
+        if (self.expected + gained) / (self.cost + self.verify_cost) <= self.expected / self.cost:
+            self.survivals.pop()
+            return False
+        self.expected, self.cost = self.expected + gained, self.cost + self.verify_cost
+        return True
+
+
+class DSparkBatchHardwareWidth(DSparkBatchWidth):
+    """The DSpark paper's batch scheduler: the width w maximising Σ_rows (1 + Σ_{n≤w} a_{i,n}) / cost(B, w), with
+    cost(B, w) = t(B, w) + the drafter's time (× `min_gain`) and cost(B, 0) = t(B, 0), a plain batched step (after
+    which the drafter rests: back-off). As the batch-1 schedule: the later survivals are projected geometrically when
+    sampling, greedy decoding looks at the whole block (`lookahead`), and confidences get an online logit bias.
+
+    Rounds are priced by what they cost live, in two classes per batch size B: plain steps and drafted rounds each
+    get the factor by which their whole rounds (drafting included) exceed the model above, t(B, w) rescaled by how
+    fast verify passes run now (contexts grow, machines drift). The profile keeps the shape across widths, the live
+    factors the level of drafting against plain steps. A batch size whose plain step was never timed takes one plain
+    step first. `round_factors` may be shared between calls (the batch loop keeps them on the drafter per decoding
+    setting)."""
+
+    prices_rounds = True
+    smoothing = DSparkHardwareAwareSchedule.smoothing
+    recalibration_rate = DSparkHardwareAwareSchedule.recalibration_rate
+    max_bias = DSparkHardwareAwareSchedule.max_bias
+    fallback_threshold = DSparkHardwareAwareSchedule.fallback_threshold
+
+    def __init__(self, profile, max_drafts: int, min_gain: float = 1.0, lookahead: bool = False,
+                 round_factors: dict | None = None):
+        self.profile, self.min_gain, self.lookahead = profile, min_gain, lookahead
+        self.max_drafts = min(max_drafts, profile.max_drafts)
+        self.draft_time_s: dict[int, float] = {}  # the drafter's time per round, by batch size
+        self.verify_scale = 1.0
+        self.round_factors = {} if round_factors is None else round_factors  # (B, w) -> live round / profiled
+        self.backoff = DSparkDrafterBackoff()
+
+    def _profiled(self, width: int, batch_size: int | None = None) -> float:
+        return self.verify_scale * self.profile.verify_time(batch_size or self.batch_size, width)
+
+    def _modelled(self, width: int, batch_size: int) -> float:
+        """A round's seconds as the profile and the drafter's running time say (before the live factor)."""
+        if width == 0:
+            return self._profiled(0, batch_size)
+        return self._profiled(width, batch_size) + self.draft_time_s.get(batch_size, 0.0)
+
+    def cost(self, width: int) -> float:
+        factor = self.round_factors.get((self.batch_size, width > 0), 1.0)
+        return factor * self._modelled(width, self.batch_size) * (self.min_gain if width else 1.0)
+
+    def start(self) -> None:
+        super().start()
+        self._costs = [self.cost(w) for w in range(self.max_drafts + 1)]
+        self._expected = [float(self.batch_size)]  # E_w for w = 0, 1, ...
+        self._admitted: list[torch.Tensor] = []  # recalibrated c_{·,n} of the admitted positions
+
+    def admit(self, confidences: torch.Tensor) -> bool:
+        n = len(self.survivals) + 1
+        if n > self.max_drafts:
+            return False
+        confidences = torch.sigmoid(torch.logit(confidences.double().clamp(1e-6, 1 - 1e-6)) + self.bias)
+        survival = self._next_survival(confidences)
+        if self.profile.noisy:
+            admitted = bool((survival >= self.fallback_threshold).any())
+        elif self.lookahead:  # draft on while even certain later drafts could beat the best stop so far
+            best = max(e / c for e, c in zip(self._expected, self._costs))
+            admitted = self._best_from(n, survival, torch.ones_like(survival)) > best
+        else:
+            admitted = self._best_from(n, survival, confidences) > self._expected[-1] / self._costs[n - 1]
+        if admitted:
+            self.survivals.append(survival)
+            self._admitted.append(confidences)
+            self._expected.append(self._expected[-1] + float(survival.sum()))
+        return admitted
+
+    def _best_from(self, n: int, survival: torch.Tensor, ratio: torch.Tensor) -> float:
+        best, expected, projected = 0.0, self._expected[-1], survival
+        for k in range(n, self.max_drafts + 1):
+            expected += float(projected.sum())
+            best = max(best, expected / self._costs[k])
+            projected = projected * ratio
+        return best
+
+    def finish(self, num_drafted: int) -> int:
+        width = num_drafted
+        if self.lookahead and not self.profile.noisy:
+            width = max(range(num_drafted + 1), key=lambda k: self._expected[k] / self._costs[k])
+        self.survivals, self._admitted = self.survivals[:width], self._admitted[:width]
+        self.backoff.record(width)
+        return width
+
+    def should_skip(self) -> bool:
+        if (self.batch_size, False) not in self.round_factors:  # time this batch size's plain step first
+            return True
+        return self.backoff.should_skip()
+
+    def observe_round(self, counts, accepted, batch_size: int, drafter_ran: bool, draft_s: float, verify_s: float) -> None:
+        width = int(counts.max()) if counts.numel() else 0
+        if drafter_ran:
+            self.draft_time_s[batch_size] = self._smooth(self.draft_time_s.get(batch_size), draft_s)
+        profiled = self.profile.verify_time(batch_size, width)
+        if profiled > 0:
+            self.verify_scale = self._smooth(self.verify_scale, verify_s / profiled)
+        if width > 0 or not drafter_ran:  # a drafted round, or a plain step (not a round whose drafts were refused)
+            key = (batch_size, width > 0)
+            factor = (draft_s + verify_s) / self._modelled(width, batch_size)
+            self.round_factors[key] = self._smooth(self.round_factors.get(key), factor)
+        self._recalibrate(counts, accepted)
+
+    def _smooth(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def _recalibrate(self, counts: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Every draft verification reached is one outcome of its recalibrated c_n: the batch-1 schedule's SGD step per
+        draft on the shared logit bias (a batch of B rows learns as B rounds of one row would)."""
+        if not self._admitted:
+            return
+        predicted = torch.stack(self._admitted, dim=1)  # (b, w)
+        n = torch.arange(1, predicted.shape[1] + 1, device=predicted.device)
+        counts, accepted = counts.to(predicted.device), accepted.to(predicted.device)
+        reached = n[None, :] <= torch.minimum(counts, accepted + 1)[:, None]
+        error = ((n[None, :] <= accepted[:, None]).double() - predicted) * reached
+        self.bias += self.recalibration_rate * float(error.sum())
+        self.bias = min(max(self.bias, -self.max_bias), self.max_bias)
+
+
+__all__ = ["DSparkBatchHardwareWidth", "DSparkBatchThresholdWidth", "DSparkBatchVerifyCostWidth", "DSparkBatchWidth"]
