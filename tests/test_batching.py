@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import make_drafter, make_tiny_target
 from test_generation import ALPHA, SAMPLES, chi_square_p_value, sampling_setup, target_greedy_continuation
+from test_scheduling import drafted
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from dspark_hf.remote_code import batch_widths_dspark, batching_dspark
@@ -224,13 +225,8 @@ def batch_profile(slope: float, sizes=(1, 4, 16), widths=(0, 1, 3, 7)) -> DSpark
 
 
 def chosen_width(schedule, confidences: list[torch.Tensor]) -> int:
-    schedule.start()
-    drafted = 0
-    for c in confidences:
-        if not schedule.admit(c):
-            break
-        drafted += 1
-    return schedule.finish(drafted)
+    """The width a batch schedule verifies for these per-position confidences: admitted left to right, then finished."""
+    return schedule.finish(drafted(schedule, confidences))
 
 
 def test_batch_profile_interpolates_widths_and_batch_sizes():
