@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
