@@ -76,6 +76,16 @@ def verify_profile_path(key: dict[str, str]) -> str:
     return os.path.join(home, "dspark", "profiles", f"{slug}-{digest}.json")
 
 
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    """ys at x, linear between the measured xs, the nearest one outside them."""
+    if x <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            return ys[i - 1] + (x - xs[i - 1]) / (xs[i] - xs[i - 1]) * (ys[i] - ys[i - 1])
+    return ys[-1]
+
+
 @dataclass
 class DSparkVerifyProfile:
     """t(k): seconds of one verify pass over k drafts (a forward of k+1 tokens on a cached context), per context."""
@@ -93,14 +103,7 @@ class DSparkVerifyProfile:
 
     def verify_time(self, num_drafts: int, context_length: int) -> float:
         """t(k) at this context length: linear between measured lengths, the nearest one outside them."""
-        lengths, times = self.context_lengths, [row[num_drafts] for row in self.verify_time_s]
-        if context_length <= lengths[0]:
-            return times[0]
-        for i in range(1, len(lengths)):
-            if context_length <= lengths[i]:
-                w = (context_length - lengths[i - 1]) / (lengths[i] - lengths[i - 1])
-                return times[i - 1] + w * (times[i] - times[i - 1])
-        return times[-1]
+        return _interpolate(self.context_lengths, [row[num_drafts] for row in self.verify_time_s], context_length)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, **{name: getattr(self, name) for name in self.__dataclass_fields__}}
@@ -289,16 +292,6 @@ class DSparkBatchVerifyProfile:
                 or {len(row) for row in rows} != {len(profile.widths)} or not all(t >= 0 for row in rows for t in row)):
             raise ValueError("malformed timings")
         return profile
-
-
-def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
-    """ys at x, linear between the measured xs, the nearest one outside them."""
-    if x <= xs[0]:
-        return ys[0]
-    for i in range(1, len(xs)):
-        if x <= xs[i]:
-            return ys[i - 1] + (x - xs[i - 1]) / (xs[i] - xs[i - 1]) * (ys[i] - ys[i - 1])
-    return ys[-1]
 
 
 def measure_batch_verify_profile(
