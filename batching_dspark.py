@@ -40,7 +40,13 @@ from .batch_widths_dspark import (
     DSparkBatchVerifyCostWidth,
     DSparkBatchWidth,
 )
-from .generation_dspark import DSparkDraftingSettings, DSparkGenerationStats, check_generation_limits, decoding_key
+from .generation_dspark import (
+    DSparkDraftingSettings,
+    DSparkGenerationStats,
+    check_generation_limits,
+    decoding_key,
+    prepare_drafter,
+)
 
 # Warpers that read nothing but the scores' probabilities: on the draft vocabulary they keep and rescale exactly the
 # tokens they would keep among the same logits scattered to the target vocabulary (-inf elsewhere has probability 0),
@@ -204,7 +210,7 @@ class DSparkBatchGeneration:
                               use_cache=True, output_hidden_states=self.aux_layer_ids, logits_to_keep=1)
         scores = self.processors(input_ids, outputs.logits[:, -1].float())
         first = torch.multinomial(F.softmax(scores, dim=-1), 1).squeeze(1) if self.do_sample else scores.argmax(-1)
-        self.drafter.attach_to(self.target)
+        prepare_drafter(self.drafter, self.target, self.settings)
         batch = DSparkBatchRows(torch.arange(input_ids.shape[0], device=input_ids.device), mask, outputs.cache,
                                 self.drafter.new_context_cache())
         self._extend_context(batch, outputs.hidden_states, positions)

@@ -2,9 +2,11 @@
 """The target's verify cost t(k): how long one verify pass over k drafts takes on this machine.
 
 Remote-code file (imports only torch and transformers). The hardware-aware schedule (`scheduling_dspark.py`) ranks
-draft lengths by expected committed tokens per second, so it needs t(k) for the target as it runs here: measured
-once per target, device, dtype and torch version (the profile key), and stored as JSON under the Hugging Face cache
-home so later processes reuse it. Reading order: key and device probe → the profile → timing → load and store.
+draft lengths by expected committed tokens per second, so it needs t(k) for the target as it runs here, per target,
+device (with its ISA), dtype and torch version (the profile key). Generation never waits for a measurement: it prices
+rounds by a live profile learned from its own verify passes (`live_profiling_dspark.py`), shaped by the measured
+profile stored here when `dspark-hf profile` measured one. Reading order: key and device probe → the measured
+profile → timing → load and store → the drafter dtype measured fastest → the batch axis.
 """
 
 from __future__ import annotations
@@ -39,13 +41,42 @@ def _cpu_name() -> str:
         return "cpu"
 
 
+# Environment variables that cap the instruction set the CPU kernels use (ATen, oneDNN, MKL): a capped run is
+# another machine as far as timings go.
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return frozenset(next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
+def bf16_matmuls_native() -> bool:
+    """Whether this CPU's bf16 matmuls have hardware (AVX512-BF16 or AMX) that the kernels may use (no ISA cap)."""
+    capped = any(os.environ.get(name, "").upper().startswith(("AVX2", "AVX_", "SSE")) for name in ISA_CAPS[1:])
+    has_units = bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+    return has_units and torch.backends.cpu.get_cpu_capability().startswith("AVX512") and not capped
+
+
+def cpu_isa_description() -> str:
+    """The vector ISA the CPU kernels run with here, e.g. "AVX512, bf16 native" or "AVX2, bf16 emulated,
+    capped ONEDNN_MAX_CPU_ISA=AVX2": whether bf16 matmuls have hardware decides which dtype pays."""
+    caps = [f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name)]
+    text = f"{torch.backends.cpu.get_cpu_capability()}, bf16 {'native' if bf16_matmuls_native() else 'emulated'}"
+    return text + (f", capped {' '.join(caps)}" if caps else "")
+
+
 def _device_description(device: torch.device) -> str:
-    """What the timings belong to: the accelerator's name, or the CPU model and torch's thread count."""
+    """What the timings belong to: the accelerator's name, or the CPU model, its ISA and torch's thread count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type != "cpu":
         return device.type
-    return f"{_cpu_name()}, {torch.get_num_threads()} thread(s)"
+    return f"{_cpu_name()} ({cpu_isa_description()}), {torch.get_num_threads()} thread(s)"
 
 
 def verify_profile_key(target: PreTrainedModel) -> dict[str, str]:
@@ -197,23 +228,6 @@ def measure_verify_profile(
     return DSparkVerifyProfile(verify_profile_key(target), lengths, medians, spreads, noisy, time.perf_counter() - started)
 
 
-def load_or_measure_verify_profile(target: PreTrainedModel, max_drafts: int, remeasure: bool = False) -> DSparkVerifyProfile:
-    """The stored profile for this target, device, dtype and torch version; measured (and stored) when missing,
-    foreign, corrupt or covering fewer drafts. A bad file costs one warning line, never an error."""
-    key = verify_profile_key(target)
-    path = verify_profile_path(key)
-    profile = None if remeasure else _read_stored_profile(path, key)
-    if profile is None or profile.max_drafts < max_drafts:
-        profile = measure_verify_profile(target, max_drafts)
-        logger.warning(
-            f"DSpark measured the target's verify cost for 0..{max_drafts} drafts in {profile.measured_in_s:.1f} s"
-            f"{' (too noisy to rank draft lengths: falling back to the confidence threshold)' if profile.noisy else ''};"
-            f" stored in {path}."
-        )
-        store_verify_profile(profile, path)
-    return profile
-
-
 def _read_stored_profile(path: str, key: dict[str, str], kind: type = DSparkVerifyProfile):
     """The `kind` of profile stored at `path` if it is well formed and belongs to `key`; None (with one warning)
     otherwise."""
@@ -223,10 +237,10 @@ def _read_stored_profile(path: str, key: dict[str, str], kind: type = DSparkVeri
         with open(path) as file:
             profile = kind.from_dict(json.load(file))
     except (OSError, ValueError, TypeError, KeyError) as error:
-        logger.warning(f"DSpark verify profile {path} is unreadable ({error}); re-measuring.")
+        logger.warning(f"DSpark verify profile {path} is unreadable ({error}); not used.")
         return None
     if profile.key != key:
-        logger.warning(f"DSpark verify profile {path} belongs to another target/device/dtype/torch; re-measuring.")
+        logger.warning(f"DSpark verify profile {path} belongs to another target/device/dtype/torch; not used.")
         return None
     return profile
 
@@ -244,6 +258,38 @@ def store_verify_profile(profile: DSparkVerifyProfile, path: str):
 
 
 
+DRAFTER_DTYPE_FORMAT = "dspark-drafter-dtype/1"
+
+
+def drafter_dtype_path(target: PreTrainedModel) -> str:
+    return verify_profile_path({**verify_profile_key(target), "axis": "drafter-dtype"})
+
+
+def store_drafter_dtype(target: PreTrainedModel, dtype: str, tokens_per_s: dict[str, float]) -> str:
+    """Record the drafter dtype measured fastest with this target here (`dspark-hf profile --drafter`)."""
+    path = drafter_dtype_path(target)
+    record = {"format": DRAFTER_DTYPE_FORMAT, "key": verify_profile_key(target), "drafter_dtype": dtype,
+              "tokens_per_s": tokens_per_s}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    staging = f"{path}.{os.getpid()}.tmp"
+    with open(staging, "w") as file:
+        json.dump(record, file, indent=1)
+    os.replace(staging, path)
+    return path
+
+
+def stored_drafter_dtype(target: PreTrainedModel) -> str | None:
+    """The drafter dtype measured fastest with this target, device and dtype, if one was measured."""
+    path = drafter_dtype_path(target)
+    try:
+        with open(path) as file:
+            record = json.load(file)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(record, dict) and record.get("format") == DRAFTER_DTYPE_FORMAT and record.get("key") == verify_profile_key(target)
+    return record.get("drafter_dtype") if ok and record.get("drafter_dtype") in ("float32", "bfloat16", "float16") else None
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The batch axis: t(B, w), one verify pass of a padded width w for B rows, at one context length.
 
@@ -252,6 +298,7 @@ BATCH_PROFILE_SIZES = (1, 4, 16)  # batch sizes measured; others are interpolate
 BATCH_PROFILE_WIDTHS = (0, 1, 3, 7)  # widths measured (capped at the drafter's block); others are interpolated
 BATCH_PROFILE_CONTEXT = 64  # short: a batch's prefill of long contexts would cost more than the timings
 BATCH_PROFILE_REPEATS = 2
+PRIOR_TOKEN_SLOPE = 0.03  # the prior t(B, w): each token of a pass costs this fraction of a one-token step
 
 
 @dataclass
@@ -325,28 +372,34 @@ def batch_profile_key(target: PreTrainedModel) -> dict[str, str]:
     return {**verify_profile_key(target), "axis": "batch"}
 
 
-def load_or_measure_batch_verify_profile(target: PreTrainedModel, max_drafts: int) -> DSparkBatchVerifyProfile:
-    """The stored batch profile for this target, device, dtype and torch version; measured and stored when missing,
-    foreign, corrupt or covering fewer drafts (one warning line, never an error)."""
+def batch_verify_profile(target: PreTrainedModel, max_drafts: int) -> DSparkBatchVerifyProfile:
+    """The stored batch profile for this target, device, dtype and torch (`dspark-hf profile --batch-sizes`), else
+    the prior shape (never measured on the call): the batch width schedule learns the level live either way."""
     key = batch_profile_key(target)
-    path = verify_profile_path(key)
-    profile = _read_stored_profile(path, key, DSparkBatchVerifyProfile)
+    profile = _read_stored_profile(verify_profile_path(key), key, DSparkBatchVerifyProfile)
     if profile is None or profile.max_drafts < max_drafts:
-        profile = measure_batch_verify_profile(target, max_drafts)
-        logger.warning(f"DSpark measured the target's batched verify cost (batch sizes {profile.batch_sizes}, 0..{max_drafts}"
-                       f" drafts) in {profile.measured_in_s:.1f} s; stored in {path}.")
-        store_verify_profile(profile, path)
+        profile = prior_batch_verify_profile(key, max_drafts)
     return profile
+
+
+def prior_batch_verify_profile(key: dict[str, str], max_drafts: int) -> DSparkBatchVerifyProfile:
+    """t(B, w) ∝ 1 + PRIOR_TOKEN_SLOPE · (B(w + 1) − 1): a pass costs a fixed part plus a part per token (on a
+    2-core CPU the measured slope is 0.016–0.037 of a one-token step per token, bf16 to fp32)."""
+    widths = sorted({min(w, max_drafts) for w in BATCH_PROFILE_WIDTHS} | {max_drafts})
+    times = [[1.0 + PRIOR_TOKEN_SLOPE * (size * (width + 1) - 1) for width in widths] for size in BATCH_PROFILE_SIZES]
+    return DSparkBatchVerifyProfile(key, list(BATCH_PROFILE_SIZES), widths, BATCH_PROFILE_CONTEXT, times,
+                                    [[0.0] * len(widths) for _ in times])
 
 
 __all__ = [
     "DSparkBatchVerifyProfile",
     "DSparkVerifyProfile",
-    "load_or_measure_batch_verify_profile",
+    "batch_verify_profile",
     "measure_batch_verify_profile",
-    "load_or_measure_verify_profile",
     "measure_verify_profile",
+    "store_drafter_dtype",
     "store_verify_profile",
+    "stored_drafter_dtype",
     "verify_profile_key",
     "verify_profile_path",
 ]

@@ -28,7 +28,8 @@ from dspark_hf.cache import (
     default_aux_layer_ids,
 )
 from dspark_hf.corpora import chitchat_conversations
-from dspark_hf.data import split_conversations, tokenize_conversations
+from dspark_hf.data import split_conversations
+from dspark_hf.tokenization import tokenize_conversations
 from dspark_hf.reporting import machine_description
 
 

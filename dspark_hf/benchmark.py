@@ -31,7 +31,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +45,7 @@ import torch
 
 from . import DSparkContextCache
 from .evaluation import drafter_name, live_acceptance_over_calls, live_curve, load_drafter, plot_acceptance
+from .progress import add_progress_argument, progress as progress_bar
 from .prompts import domain_prompts, encode_batches, encode_prompt, long_context
 from .reporting import emit_report, machine_description, set_threads
 from .targets import add_target_argument, load_target, resolve_target
@@ -49,6 +55,12 @@ ALL_METHODS = ["plain", "plain-reseeded", "assisted-lm", "prompt-lookup", "dflas
 RESEEDED_SEED_OFFSET = 500_000  # plain-reseeded samples with seeds no other method uses
 DEFAULT_METHODS = ["plain", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark"]
 ONE_ROW_METHODS = ["assisted-lm", "prompt-lookup"]  # transformers serves these one prompt at a time
+# The CPU instruction sets a run can be held to (read by ATen, oneDNN and MKL when they start, so each runs in a
+# process of its own): "avx2" shows this machine as a CPU without AVX512 and bf16 matrix units.
+ISA_CAPS = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
 
 
 def truncated_assistant(target, num_layers: int):
@@ -151,6 +163,8 @@ def run_methods(target, encoded, methods, models, args, do_sample: bool) -> dict
         timed_call(target, encoded[0], 8, do_sample, 0, **_method_kwargs(m, models, args))
     counters = ("tokens", "seconds", "decode_tokens", "decode_seconds")
     runs = {m: {**{c: [0] * args.repetitions for c in counters}, "stats": [], "outputs": []} for m in methods}
+    bar = progress_bar(total=args.repetitions * len(encoded) * len(methods), unit="call",
+                       desc=f"bench {'sample' if do_sample else 'greedy'}", enabled=not getattr(args, "no_progress", False))
     for rep in range(args.repetitions):
         order = methods[rep % len(methods):] + methods[: rep % len(methods)]
         for i, inputs in enumerate(encoded):
@@ -164,6 +178,8 @@ def run_methods(target, encoded, methods, models, args, do_sample: bool) -> dict
                     runs[m]["outputs"].append(timed.tokens)
                     if m in models and hasattr(models[m], "last_generation_stats"):
                         runs[m]["stats"].append(models[m].last_generation_stats)
+                bar.update(1)
+    bar.close()
     return runs
 
 
@@ -323,12 +339,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length of the overhead measurement (default: the first prompt)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--plots", help="directory for acceptance.png (per-domain conditional and cumulative acceptance)")
+    parser.add_argument("--isa", nargs="+", default=["native"], choices=list(ISA_CAPS),
+                        help="run the bench once per CPU instruction set, side by side: native, and avx2 (this CPU "
+                        "held to AVX2, without AVX512 or bf16 matrix units, as most laptops and many cloud VMs are)")
     parser.add_argument("--json", nargs="?", const="-", default=None, help="also write the report as JSON (file or '-')")
+    add_progress_argument(parser)
+
+
+def benchmark_per_isa(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole bench once per `--isa`, each in a process of its own with that ISA cap, reported side by side."""
+    reports = {}
+    for isa in args.isa:
+        env = {name: value for name, value in os.environ.items() if name not in ISA_CAPS["avx2"]}
+        env.update(ISA_CAPS[isa])
+        with tempfile.TemporaryDirectory() as folder:
+            settings, output = Path(folder) / "args.json", Path(folder) / "report.json"
+            settings.write_text(json.dumps({**vars(args), "isa": [isa], "json": str(output)}))
+            subprocess.run([sys.executable, "-m", "dspark_hf.benchmark", str(settings)], env=env, check=True,
+                           stdout=subprocess.DEVNULL)
+            reports[isa] = json.loads(output.read_text())
+    return {"isa": reports}
+
+
+def format_isa_report(report: dict[str, Any]) -> str:
+    """Each ISA's tables, then DSpark × plain per domain and mode with the ISAs side by side."""
+    reports = report["isa"]
+    lines = [f"=== ISA {isa} ===\n{format_report(r)}\n" for isa, r in reports.items()]
+    lines.append("DSpark (shipped generation config) × plain generate, per ISA:")
+    lines.append("| domain | mode | " + " | ".join(f"{isa} × plain" for isa in reports) + " |")
+    lines.append("|" + "---|" * (2 + len(reports)))
+    first = next(iter(reports.values()))
+    for domain, result in first["domains"].items():
+        for mode in result["modes"]:
+            cells = [reports[isa]["domains"][domain]["modes"][mode].get("dspark", {}).get("speedup_vs_plain") for isa in reports]
+            lines.append(f"| {domain} | {mode} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
+    lines += [f"{isa}: {r['machine']}" for isa, r in reports.items()]
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.isa != ["native"]:
+        emit_report(benchmark_per_isa(args), args.json, format_isa_report)
+        return 0
     emit_report(benchmark(args), args.json, format_report)
     return 0
+
+
+if __name__ == "__main__":  # one ISA's run of `benchmark_per_isa`: the settings come as a JSON file
+    settings = argparse.Namespace(**json.loads(Path(sys.argv[1]).read_text()))
+    emit_report(benchmark(settings), settings.json, format_report)
 
 
 __all__ = ["ALL_METHODS", "benchmark", "drafter_overhead", "format_report", "plot_domain_acceptance", "summary_table",

@@ -50,9 +50,10 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object, parse_flag_from_env
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
-from .data import add_dataset_arguments, load_selected_conversations, tokenize_conversations
+from .data import add_dataset_arguments, load_selected_conversations
+from .progress import add_progress_argument, progress as progress_bar
+from .tokenization import tokenize_conversations
 from .targets import (add_placement_arguments, add_target_argument, input_device, load_target, load_target_heads,
                       placement_from_args)
 
@@ -239,7 +240,7 @@ def build_cache(
     if shard_size < 1 or batch_size < 1:
         raise ValueError(f"shard_size={shard_size} and batch_size={batch_size} must be >= 1")
     aux_layer_ids = _checked_aux_layers(aux_layer_ids, _target_geometry(model)[2])
-    samples = tokenize_conversations(tokenizer, conversations, max_length=max_length)
+    samples = tokenize_conversations(tokenizer, conversations, max_length=max_length, progress=progress)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     manifest = new_manifest(model, samples, aux_layer_ids, dtype, shard_size, max_length)
@@ -264,7 +265,8 @@ def build_cache(
     mine = [k for k in range(rank, manifest["num_shards"], world) if shard_name(k) not in done]
     if world > 1:
         log(f"cache: process {rank} of {world} captures {len(mine)} shards")
-    capture_shards(model, samples, mine, output_dir, manifest, done, batch_size, progress and rank == 0, publish=world == 1)
+    capture_shards(model, samples, mine, output_dir, manifest, done, batch_size, progress, publish=world == 1,
+                   silent=rank != 0)
     if world > 1:
         for finished in gather_object([done]):
             done.update(finished)
@@ -412,31 +414,30 @@ def _publish(output_dir: Path, manifest: dict, done: dict[str, dict]) -> None:
 
 
 def capture_shards(model, samples, todo: list[int], output_dir: Path, manifest: dict, done: dict[str, dict],
-                   batch_size: int, progress: bool = True, publish: bool = True) -> None:
+                   batch_size: int, progress: bool = True, publish: bool = True, silent: bool = False) -> None:
     """Capture and write each shard in `todo`, adding it to `done` and (`publish`: one process) publishing the
-    manifest after each one (resumable after kill -9)."""
+    manifest after each one (resumable after kill -9). `progress`: a bar, else log lines; `silent`: neither."""
     shard_size, dtype = manifest["shard_size"], manifest["dtype"]
     store_dtype = torch.float32 if dtype == FP8 else DTYPES[dtype]  # fp8 is quantized row by row when written
     aux_layer_ids = manifest["aux_hidden_state_layer_ids"]
     model.eval()
     todo_tokens = sum(len(s["input_ids"]) for k in todo for s in _shard_samples(samples, k, shard_size))
-    bar = tqdm(total=todo_tokens, unit="tok", desc="cache", disable=not progress)
-    for k in todo:
-        shard_samples = _shard_samples(samples, k, shard_size)
-        # Batch by length inside the shard (less padding); the order is fixed, so a rerun computes the same bytes.
-        order = sorted(range(len(shard_samples)), key=lambda i: (len(shard_samples[i]["input_ids"]), i))
-        captured: list = [None] * len(shard_samples)
-        for start in range(0, len(order), batch_size):
-            rows = order[start : start + batch_size]
-            for row, result in zip(rows, capture_hidden_states(model, [shard_samples[i] for i in rows], aux_layer_ids, store_dtype)):
-                captured[row] = result
-            bar.update(sum(len(shard_samples[i]["input_ids"]) for i in rows))
-        path = output_dir / shard_name(k)
-        _write_shard(path, shard_samples, captured, dtype)
-        done[path.name] = _shard_entry(path)
-        if publish:
-            _publish(output_dir, manifest, done)
-    bar.close()
+    with progress_bar(total=todo_tokens, unit="tok", desc="cache", enabled=progress, silent=silent) as bar:
+        for k in todo:
+            shard_samples = _shard_samples(samples, k, shard_size)
+            # Batch by length inside the shard (less padding); the order is fixed, so a rerun computes the same bytes.
+            order = sorted(range(len(shard_samples)), key=lambda i: (len(shard_samples[i]["input_ids"]), i))
+            captured: list = [None] * len(shard_samples)
+            for start in range(0, len(order), batch_size):
+                rows = order[start : start + batch_size]
+                for row, result in zip(rows, capture_hidden_states(model, [shard_samples[i] for i in rows], aux_layer_ids, store_dtype)):
+                    captured[row] = result
+                bar.update(sum(len(shard_samples[i]["input_ids"]) for i in rows))
+            path = output_dir / shard_name(k)
+            _write_shard(path, shard_samples, captured, dtype)
+            done[path.name] = _shard_entry(path)
+            if publish:
+                _publish(output_dir, manifest, done)
 
 
 # ------------------------------------------------------------------------------------------------------- reader
@@ -688,10 +689,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device of the target (default: cpu; under `accelerate launch` with several processes, "
                         "each process's own device)")
     add_placement_arguments(parser)
+    add_progress_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    conversations = load_selected_conversations(args.dataset, args.split, args.limit)
+    conversations = load_selected_conversations(args.dataset, args.split, args.limit, messages_column=args.messages_column)
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     # `accelerate launch` with n processes: shard k is captured by process k % n; a plain run is one process
     state = PartialState(cpu=args.device == "cpu" or parse_flag_from_env("ACCELERATE_USE_CPU"))
@@ -707,7 +709,7 @@ def run(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         batch_size=args.batch_size,
         max_length=args.max_length,
-        progress=state.is_main_process,
+        progress=not args.no_progress,
         state=state,
     )
     if state.is_main_process:

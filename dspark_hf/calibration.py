@@ -26,6 +26,7 @@ import torch
 from . import DSparkForDrafting
 from .cache import HiddenStateCache
 from .metrics import brier_score, expected_calibration_error, log_loss, roc_auc
+from .progress import add_progress_argument
 from .rollouts import Rollouts, collect_rollouts
 from .targets import add_target_argument, load_target_heads, resolve_target
 
@@ -91,7 +92,7 @@ def sequential_temperature_scaling(rollouts: Rollouts, grid: list[float] | None 
 
 def calibrate(model_dir: str, cache_dir: str, output_dir: str | None = None, eval_cache_dir: str | None = None,
               target: str | None = None, max_anchors: int = 256, draws: int = 8, seed: int = 0,
-              score: str = "nll", log=print) -> dict:
+              score: str = "nll", log=print, progress: bool = True) -> dict:
     """Fit STS temperatures on `cache_dir`, write them into the checkpoint's config, report before/after.
 
     The report is computed on `eval_cache_dir` when given (held-out rollouts), else on the fitting rollouts.
@@ -104,8 +105,9 @@ def calibrate(model_dir: str, cache_dir: str, output_dir: str | None = None, eva
         caches["report"] = HiddenStateCache(eval_cache_dir)
     for cache in caches.values():
         cache.validate_against(model.config)
-    fit = collect_rollouts(model, caches["fit"], max_anchors, draws, seed)
-    report_on = collect_rollouts(model, caches["report"], max_anchors, draws, seed + 1) if eval_cache_dir else fit
+    fit = collect_rollouts(model, caches["fit"], max_anchors, draws, seed, progress=progress)
+    report_on = (collect_rollouts(model, caches["report"], max_anchors, draws, seed + 1, progress=progress)
+                 if eval_cache_dir else fit)
     temperatures = sequential_temperature_scaling(fit, score=score, log=log)
     before = calibration_report(report_on, [1.0] * len(temperatures))
     after = calibration_report(report_on, temperatures)
@@ -137,11 +139,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--score", default="nll", choices=sorted(SCORES),
                         help="proper score STS minimizes per position (default: nll, the log loss)")
+    add_progress_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     calibrate(args.model, args.cache, args.output_dir, args.eval_cache, args.target, args.max_anchors, args.draws, args.seed,
-              args.score)
+              args.score, progress=not args.no_progress)
     return 0
 
 

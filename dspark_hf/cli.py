@@ -7,10 +7,14 @@ subcommand runs, so `dspark-hf --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import os
 import sys
+
+from .interrupt import CtrlC, end_process
+from .progress import close_all
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -72,6 +76,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 
 def main(argv: list[str] | None = None) -> int:
+    own_process = argv is None  # the `dspark-hf` program, not a caller that goes on after it returns
     argv = sys.argv[1:] if argv is None else argv
     parser, children = build_parser()
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -91,16 +96,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
         return int(module.run(args) or 0)  # errors raise with their traceback
+    ctrl_c = CtrlC(f"dspark-hf {command}: interrupted; {RESUME_HINTS.get(command, 'rerun the same command to start again')}")
     try:
-        return int(module.run(args) or 0)
+        with ctrl_c if own_process else contextlib.nullcontext():  # ends within GRACE_S, even inside native code
+            return int(module.run(args) or 0)
     except KeyboardInterrupt:
-        print(f"dspark-hf {command}: interrupted; {RESUME_HINTS.get(command, 'rerun the same command to start again')}", file=sys.stderr)
+        close_all()  # a bar the interrupted stage left open ends before the hint, not after it
+        ctrl_c.announce()
+        if own_process:
+            end_process(130)  # not the 1-2 s the interpreter takes to tear torch and the target down
         return 130
     except ValueError as error:
         # Bad input: one clear line naming the problem and the fix, no traceback.
+        close_all()
         print(f"dspark-hf {command}: error: {error}", file=sys.stderr)
         return 1
     except OSError as error:  # our own FileNotFoundError messages, or a full/read-only disk, a file for a directory...
+        close_all()
         print(f"dspark-hf {command}: error: {describe_os_error(error)}", file=sys.stderr)
         return 1
 

@@ -1,9 +1,9 @@
-"""Chat datasets in, token ids and an assistant loss mask out.
+"""Chat datasets in, normalized conversations out, split deterministically.
 
-A drafter learns to predict what the target *writes*, so everything downstream (regeneration, the hidden-state cache,
-the draft vocabulary, the training loss) needs one normalized conversation form and one exact answer to "which tokens
-did the assistant produce?". The answer comes from the target's own chat template, by rendering growing prefixes of
-the conversation, so it holds for any template that renders earlier turns unchanged (ChatML, Llama 3, Gemma, ...).
+Every stage downstream (regeneration, tokenization, the hidden-state cache, the draft vocabulary) reads one
+normalized form, whatever the user's data looks like: a built-in corpus, JSONL, or anything HF `datasets` reads
+(Parquet, Arrow, a `save_to_disk` folder, a folder of shards, a Hub dataset id from the local cache), with OpenAI
+`messages` or ShareGPT `conversations` records (or a column named by `--messages-column`).
 
 Normalized form: ``{"id": str, "messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``.
 """
@@ -16,8 +16,6 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Iterable
-
-import torch
 
 from .corpora import CORPORA
 
@@ -34,8 +32,11 @@ SHAREGPT_ROLES = {
     "bing": "assistant",
     "model": "assistant",
 }
-# Special tokens that close a turn in common templates; the one the target emits counts as assistant.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>", "<|end_of_text|>")
+# File suffix -> the `datasets` builder that reads it (JSONL is read by `read_jsonl`, for its file:line errors).
+DATASET_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".csv": "csv"}
+# What a `save_to_disk` folder holds.
+SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
+MESSAGE_COLUMNS = ("messages", "conversations")
 SPLITS = ("train", "validation", "test")
 
 Conversation = dict  # {"id": str, "messages": list[dict[str, str]]}
@@ -124,12 +125,107 @@ def write_jsonl(path: str | os.PathLike, conversations: Iterable[Conversation]) 
     return count
 
 
-# -------------------------------------------------------------------------------------------- real corpora (ASSETS)
-def load_conversations(source: str | os.PathLike) -> list[Conversation]:
-    """A JSONL path, or a built-in corpus by name (`corpora.CORPORA`: chitchat, chatterbot, wordnet-nouns, ...)."""
+# ------------------------------------------------------------------------------------ every source a user has
+def load_conversations(source: str | os.PathLike, messages_column: str | None = None,
+                       hub_split: str = "train") -> list[Conversation]:
+    """A built-in corpus by name (`corpora.CORPORA`), a JSONL file, or any dataset `datasets` reads (a file, a
+    `save_to_disk` folder, a folder of shards, a Hub id), normalized; `messages_column` names the turns' column."""
     if str(source) in CORPORA:
         return CORPORA[str(source)]()
-    return read_jsonl(source)
+    path = Path(source)
+    if path.is_file() and path.suffix == ".jsonl":
+        return read_jsonl(path)
+    if path.is_dir() and not any((path / name).exists() for name in SAVED_DATASET_FILES):
+        shards = _shards_of(path)
+        if shards[0].suffix == ".jsonl":
+            return [conv for shard in shards for conv in read_jsonl(shard)]
+        return read_records(_read_files(shards), str(source), messages_column)
+    return read_records(_open_dataset(source, path, hub_split), str(source), messages_column)
+
+
+def _shards_of(folder: Path) -> list[Path]:
+    """The data files of a folder of shards, all of one kind."""
+    known = (".jsonl", *DATASET_BUILDERS)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in known and not p.name.startswith("."))
+    kinds = sorted({p.suffix for p in files})
+    if not files:
+        raise ValueError(f"dataset folder {folder} holds no data files; expected shards ending in {', '.join(known)} "
+                         "or a `save_to_disk` folder")
+    if len(kinds) > 1:
+        raise ValueError(f"dataset folder {folder} mixes {', '.join(kinds)} files; keep one kind of shard per folder")
+    return files
+
+
+def _read_files(files: list[Path]):
+    import datasets
+
+    return datasets.load_dataset(DATASET_BUILDERS[files[0].suffix], data_files=[str(f) for f in files], split="train")
+
+
+def _open_dataset(source: str | os.PathLike, path: Path, hub_split: str):
+    """A `datasets.Dataset` from a data file, a `save_to_disk` folder or a Hub id (offline: from the local cache)."""
+    import datasets
+
+    if path.is_file():
+        if path.suffix not in DATASET_BUILDERS:
+            raise ValueError(f"dataset {path} has an unknown suffix; pass .jsonl, {', '.join(DATASET_BUILDERS)}, a "
+                             "`save_to_disk` folder, a folder of shards or a Hub dataset id")
+        return _read_files([path])
+    if path.is_dir():
+        saved = datasets.load_from_disk(str(path))
+        return _one_split(saved, hub_split, str(path))
+    if path.suffix in (".jsonl", *DATASET_BUILDERS) or (os.sep in str(source) and not _looks_like_hub_id(str(source))):
+        raise FileNotFoundError(f"dataset {path} does not exist")
+    try:
+        return _one_split(datasets.load_dataset(str(source), split=hub_split), hub_split, str(source))
+    except (FileNotFoundError, ConnectionError, ValueError, OSError) as error:
+        raise ValueError(
+            f"dataset {source!r} is not a file, a folder, a built-in corpus ({', '.join(CORPORA)}) or a Hub dataset "
+            f"in the local cache ({str(error).splitlines()[0] if str(error) else type(error).__name__}); pass a path, "
+            "or download it once online"
+        ) from None
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
+
+
+def _one_split(dataset, split: str, name: str):
+    """A DatasetDict (a saved folder of splits) narrowed to `split`, the Hub's usual `train` by default."""
+    if not hasattr(dataset, "keys"):
+        return dataset
+    if split not in dataset:
+        raise ValueError(f"dataset {name} has the splits {', '.join(dataset)}, not {split!r}")
+    return dataset[split]
+
+
+def read_records(dataset, name: str, messages_column: str | None = None) -> list[Conversation]:
+    """Normalize every row of a `datasets.Dataset`, batch by batch (the table stays memory-mapped); a bad row is
+    refused with its index."""
+    column = _messages_column(dataset.column_names, name, messages_column)
+    wanted = [column, *(["id"] if "id" in dataset.column_names else [])]
+    conversations, row = [], 0
+    for batch in dataset.select_columns(wanted).iter(batch_size=1024):
+        for turns, conv_id in zip(batch[column], batch.get("id") or [None] * len(batch[column])):
+            key = "conversations" if turns and isinstance(turns[0], dict) and "from" in turns[0] else "messages"
+            record = {key: turns} if conv_id is None else {key: turns, "id": conv_id}
+            conversations.append(normalize_record(record, f"{name} row {row}"))
+            row += 1
+    return conversations
+
+
+def _messages_column(columns: list[str], name: str, messages_column: str | None) -> str:
+    if messages_column is not None:
+        if messages_column not in columns:
+            raise ValueError(f"dataset {name} has no column {messages_column!r} (columns: {', '.join(columns)}); "
+                             "pass --messages-column with one of them")
+        return messages_column
+    for column in MESSAGE_COLUMNS:
+        if column in columns:
+            return column
+    raise ValueError(f"dataset {name} has no 'messages' or 'conversations' column (columns: {', '.join(columns)}); "
+                     "pass --messages-column NAME for the column that holds the turns")
 
 
 # ----------------------------------------------------------------------------------------------------- splitting
@@ -175,103 +271,25 @@ def select_conversations(conversations: list[Conversation], source: str | os.Pat
     )
 
 
-# --------------------------------------------------------------------------------------- chat template, loss mask
-def check_chat_template(tokenizer) -> None:
-    if not getattr(tokenizer, "chat_template", None):
-        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise ValueError(
-            f"tokenizer {name} has no chat template, so assistant tokens cannot be found; use an instruct/chat "
-            "tokenizer or set tokenizer.chat_template"
-        )
-
-
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def _end_of_turn_strings(tokenizer) -> list[str]:
-    vocab = tokenizer.get_vocab()
-    names = [t for t in (tokenizer.eos_token, *END_OF_TURN_TOKENS) if t and t in vocab]
-    return list(dict.fromkeys(names))
-
-
-def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """Render the conversation and return (text, [(start, end) character span of each assistant turn]).
-
-    Span of assistant turn i = render(messages[:i+1]) minus render(messages[:i], add_generation_prompt=True): the
-    reply and whatever the template appends to it, cut right after the end-of-turn token (which the target emits,
-    so it counts as assistant; a newline the template adds after it does not).
-    """
-    check_chat_template(tokenizer)
-    text = _render(tokenizer, messages, add_generation_prompt=False)
-    end_markers = _end_of_turn_strings(tokenizer)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError(
-                "the chat template re-renders earlier turns differently as the conversation grows (e.g. it drops "
-                "reasoning from past turns), so assistant tokens cannot be located by prefix; split such "
-                "conversations into one record per assistant turn"
-            )
-        start, end = len(before), len(through)
-        found = through.find(message["content"], start) if message["content"] else -1
-        reply_end = found + len(message["content"]) if found != -1 else start
-        hits = [through.find(m, reply_end) for m in end_markers]
-        hits = [(h, len(m)) for h, m in zip(hits, end_markers) if h != -1]
-        if hits and min(hits)[0] < end:
-            position, length = min(hits)
-            end = position + length
-        spans.append((start, end))
-    return text, spans
-
-
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int | None = None) -> dict[str, torch.Tensor]:
-    """Chat-template tokens and the assistant loss mask of one conversation.
-
-    Returns `input_ids` int64 [T] (identical to `apply_chat_template(messages, tokenize=True)`) and `loss_mask`
-    uint8 [T], 1 exactly on tokens that start inside an assistant span (reply + end-of-turn token).
-    """
-    text, spans = assistant_char_spans(tokenizer, messages)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = torch.tensor(encoding["input_ids"], dtype=torch.int64)  # [T]
-    starts = torch.tensor([s for s, _ in encoding["offset_mapping"]], dtype=torch.int64)  # [T]
-    loss_mask = torch.zeros_like(input_ids, dtype=torch.uint8)  # [T]
-    for start, end in spans:
-        loss_mask |= ((starts >= start) & (starts < end)).to(torch.uint8)
-    if max_length is not None:
-        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-    return {"input_ids": input_ids, "loss_mask": loss_mask}
-
-
-def tokenize_conversations(
-    tokenizer, conversations: list[Conversation], max_length: int | None = None, name: str = "dataset"
-) -> list[dict[str, torch.Tensor]]:
-    """Tokenize a dataset; refuses an empty one, one without assistant turns, and a tokenizer without a template."""
-    check_chat_template(tokenizer)
-    check_dataset(conversations, name)
-    return [tokenize_conversation(tokenizer, c["messages"], max_length) for c in conversations]
-
-
 # ------------------------------------------------------------------------------------------------ the command line
 def add_dataset_arguments(parser, stage: str, flags: tuple[str, ...] = ("--dataset",)) -> None:
     """`--dataset`, `--split` and `--limit`: which conversations a stage that reads a chat dataset (`cache`,
     `regenerate`) reads, defined once so both read and select them alike (`load_selected_conversations`)."""
     parser.add_argument(*flags, dest="dataset", required=True,
-                        help="JSONL (OpenAI messages or ShareGPT), or `chitchat` / `chatterbot`")
+                        help="JSONL, Parquet, Arrow, a `save_to_disk` folder, a folder of shards, a Hub dataset id "
+                        "(OpenAI messages or ShareGPT conversations), or `chitchat` / `chatterbot`")
+    parser.add_argument("--messages-column", default=None,
+                        help="the column holding each conversation's turns (default: messages or conversations)")
     parser.add_argument("--split", default="all", choices=[*SPLITS, "all"],
                         help=f"hash split to {stage} (default: all; a regenerated file is already split)")
     parser.add_argument("--limit", type=int, default=None, help=f"{stage} only the first N conversations of the split")
 
 
 def load_selected_conversations(source: str | os.PathLike, split: str = "all", limit: int | None = None,
-                                need_assistant: bool = True) -> list[Conversation]:
+                                need_assistant: bool = True, messages_column: str | None = None) -> list[Conversation]:
     """`source` read (`load_conversations`), refused with the data errors every stage shares (`check_dataset`), and
     one split's first `limit` conversations (`select_conversations`): what `cache`, `regenerate` and online training
     read, so each refuses a bad file the same way before any target loads."""
-    conversations = load_conversations(source)
+    conversations = load_conversations(source, messages_column)
     check_dataset(conversations, str(source), need_assistant)
     return select_conversations(conversations, source, split, limit)

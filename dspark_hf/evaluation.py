@@ -35,6 +35,7 @@ from . import DSparkConfig, DSparkForDrafting
 from .cache import HiddenStateCache
 from .calibration import calibration_report, survival_predictions
 from .metrics import brier_score, per_position_acceptance, survival, tau
+from .progress import add_progress_argument, progress as progress_bar
 from .prompts import DEFAULT_PROMPT_SOURCES, encode_prompt, held_out_prompts
 from .remote_code.generation_dspark import DSparkGenerationStats
 from .reporting import emit_report, machine_description, set_threads
@@ -99,8 +100,9 @@ def reliability_bins(predicted: torch.Tensor, observed: torch.Tensor, num_bins: 
 
 # ---------------------------------------------------------------------------------------------------- online
 def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_new_tokens: int = 96,
-                   do_sample: bool = False, seed: int = 0, warmup: bool = True) -> dict[str, Any]:
-    """Plain generate vs generate with the drafter on each prompt, alternating, same process."""
+                   do_sample: bool = False, seed: int = 0, warmup: bool = True, progress: bool = True) -> dict[str, Any]:
+    """Plain generate vs generate with the drafter on each prompt, alternating, same process; `progress`: a bar over
+    the prompts, else log lines."""
     device = next(target.parameters()).device
     encoded = [encode_prompt(tokenizer, p, device) for p in prompts]
     if warmup:
@@ -108,7 +110,8 @@ def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_ne
         timed_generate(target, encoded[0], 8, do_sample, seed, assistant_model=drafter)
     plain_tokens = plain_time = spec_tokens = spec_time = 0.0
     stats, identical = [], []
-    for i, inputs in enumerate(encoded):
+    bar = progress_bar(encoded, desc=f"eval {'sample' if do_sample else 'greedy'}", unit="prompt", enabled=progress)
+    for i, inputs in enumerate(bar):
         plain, t_plain = timed_generate(target, inputs, max_new_tokens, do_sample, seed + i)
         spec, t_spec = timed_generate(target, inputs, max_new_tokens, do_sample, seed + i, assistant_model=drafter)
         stats.append(drafter.last_generation_stats)
@@ -324,7 +327,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         drafter = load_drafter(args.model, target32, torch.float32)
         cache = HiddenStateCache(args.cache)
         cache.validate_against(drafter.config)
-        rollouts = offline_acceptance(drafter, cache, args.max_anchors, max_samples=args.max_samples)
+        rollouts = offline_acceptance(drafter, cache, args.max_anchors, max_samples=args.max_samples,
+                                      progress=not args.no_progress)
         report["offline"] = offline_metrics(rollouts["accept"], rollouts["mask"], drafter.config.block_size)
         off = report["offline"]
         curves["offline (teacher-forced)"] = {"conditional": off["acceptance"], "conditional_n": off["blocks_per_position"],
@@ -345,7 +349,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         prompts = held_out_prompts(args.prompts, args.split, args.num_prompts)
         report["online"] = []
         for mode in args.modes:
-            on = online_metrics(target, tokenizer, drafter, prompts, args.max_new_tokens, do_sample=(mode == "sample"))
+            on = online_metrics(target, tokenizer, drafter, prompts, args.max_new_tokens, do_sample=(mode == "sample"),
+                                progress=not args.no_progress)
             report["online"].append(on)
             curves[f"online {on['mode']}"] = live_curve(on)
     if plots and curves:
@@ -374,6 +379,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="online: the drafter's dtype (default bf16 whatever the target's, as from_pretrained loads it)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--plots", help="directory for acceptance.png and reliability.png")
+    add_progress_argument(parser)
     parser.add_argument("--json", nargs="?", const="-", default=None,
                         help="write the report as JSON to this file ('-' or no value: stdout instead of tables)")
 

@@ -1,10 +1,10 @@
 """`dspark-hf profile`: measure the target's verify cost t(k) on this device and dtype, store it, print the table.
 
-The hardware-aware schedule (`dspark_schedule: "hardware"` in a drafter's generation_config) reads this profile; it
-is measured automatically on first use too, so running the command is only needed to re-measure (for example on a
-quieter machine) or to look at the numbers. A profile is stored per target (name, revision, config hash), device
-(type and name; the CPU's thread count), dtype and torch version under `<HF_HOME>/dspark/profiles/`, and is never
-used for another of these.
+The hardware-aware schedule (`dspark_schedule: "hardware"` in a drafter's generation_config) takes this profile as
+the shape of the live profile it learns from its own rounds; generation never measures, so the command gives a
+first call a measured shape to start from and shows the numbers. A profile is stored per target (name, revision,
+config hash), device (type and name; the CPU's ISA and thread count), dtype and torch version under
+`<HF_HOME>/dspark/profiles/`, and is never used for another of these.
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ import torch
 from .remote_code.profiling_dspark import (
     measure_batch_verify_profile,
     measure_verify_profile,
+    store_drafter_dtype,
     store_verify_profile,
     verify_profile_path,
 )
-from .reporting import emit_report
-from .targets import add_target_argument, load_target_model
+from .progress import timed
+from .reporting import emit_report, machine_description
+from .targets import add_target_argument, load_target, load_target_model
+
+RECOMMEND_DTYPES = ("float32", "bfloat16")
 
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
@@ -30,15 +34,56 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_drafts < 1:
         raise ValueError(f"--max-drafts must be at least 1 (got {args.max_drafts}); use the drafter's block size - 1.")
     target = load_target_model(args.target, dtype=args.dtype, device=args.device)
-    measured = measure_verify_profile(target, args.max_drafts, tuple(args.contexts), args.repeats)
+    with timed(f"profile: measuring t(k) for k = 0..{args.max_drafts} at contexts {args.contexts}"):
+        measured = measure_verify_profile(target, args.max_drafts, tuple(args.contexts), args.repeats)
     path = verify_profile_path(measured.key)
     store_verify_profile(measured, path)
     report = {"path": path, **measured.to_dict()}
     if args.batch_sizes:  # the batch axis t(B, w) of batched generation
-        batch = measure_batch_verify_profile(target, args.max_drafts, tuple(sorted(set(args.batch_sizes))))
+        with timed(f"profile: measuring t(B, w) for B in {sorted(set(args.batch_sizes))}"):
+            batch = measure_batch_verify_profile(target, args.max_drafts, tuple(sorted(set(args.batch_sizes))))
         report["batch"] = {"path": verify_profile_path(batch.key), **batch.to_dict()}
         store_verify_profile(batch, report["batch"]["path"])
+    if args.drafter:
+        del target
+        report["recommendation"] = recommend(args)
     return report
+
+
+def _tokens_per_s(target, prompts, max_new_tokens: int, **kwargs) -> float:
+    """Greedy tokens/s over the prompts, after one untimed call (it warms the kernels and the live profile)."""
+    from .timing import timed_generation
+
+    timed_generation(target, prompts[0], max_new_tokens, do_sample=False, **kwargs)
+    runs = [timed_generation(target, p, max_new_tokens, do_sample=False, **kwargs) for p in prompts]
+    return sum(len(r.tokens) for r in runs) / sum(r.seconds for r in runs)
+
+
+def recommend(args: argparse.Namespace) -> dict[str, Any]:
+    """Which target dtype and drafter dtype give the most tokens/s here, against the best plain configuration:
+    greedy chat test prompts, every pair side by side. The fastest drafter dtype per target dtype is stored, so a
+    drafter left at `dspark_drafter_dtype="auto"` runs in it on this machine."""
+    from .evaluation import load_drafter
+    from .prompts import encode_prompt, held_out_prompts
+
+    rows, stored = [], {}
+    for target_dtype in RECOMMEND_DTYPES:
+        target, tokenizer = load_target(args.target, dtype=target_dtype, device=args.device)
+        prompts = [encode_prompt(tokenizer, p, target.device) for p in held_out_prompts(limit=args.recommend_prompts)]
+        with timed(f"profile: timing plain generate and the drafter in {', '.join(RECOMMEND_DTYPES)} ({target_dtype} target)"):
+            rows.append({"target": target_dtype, "drafter": None,
+                         "tokens_per_s": _tokens_per_s(target, prompts, args.recommend_tokens)})
+            for drafter_dtype in RECOMMEND_DTYPES:
+                drafter = load_drafter(args.drafter, target, getattr(torch, drafter_dtype))
+                drafter.generation_config.dspark_drafter_dtype = "as-loaded"
+                rows.append({"target": target_dtype, "drafter": drafter_dtype, "tokens_per_s": _tokens_per_s(
+                    target, prompts, args.recommend_tokens, assistant_model=drafter)})
+        mine = {r["drafter"]: r["tokens_per_s"] for r in rows if r["target"] == target_dtype and r["drafter"]}
+        stored[target_dtype] = store_drafter_dtype(target, max(mine, key=mine.get), mine)
+    plain = max((r for r in rows if r["drafter"] is None), key=lambda r: r["tokens_per_s"])
+    best = max((r for r in rows if r["drafter"]), key=lambda r: r["tokens_per_s"])
+    return {"machine": machine_description(), "rows": rows, "best_plain": plain, "best": best,
+            "speedup": best["tokens_per_s"] / plain["tokens_per_s"], "stored": stored}
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -60,7 +105,21 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"stored in {report['path']}")
     if "batch" in report:
         lines += format_batch_table(report["batch"])
+    if "recommendation" in report:
+        lines += format_recommendation(report["recommendation"])
     return "\n".join(lines)
+
+
+def format_recommendation(recommendation: dict[str, Any]) -> list[str]:
+    lines = ["", f"greedy chat tokens/s on {recommendation['machine']}:", "  target   | drafter  | tokens/s"]
+    for row in recommendation["rows"]:
+        lines.append(f"  {row['target']:<8} | {row['drafter'] or 'plain':<8} | {row['tokens_per_s']:8.1f}")
+    best, plain = recommendation["best"], recommendation["best_plain"]
+    lines.append(f"recommended: target {best['target']} with the drafter in {best['drafter']}, "
+                 f"{best['tokens_per_s']:.1f} tokens/s = {recommendation['speedup']:.2f}× the best plain generate "
+                 f"(target {plain['target']}, {plain['tokens_per_s']:.1f} tokens/s). Drafters now run in the fastest "
+                 "dtype measured for their target's dtype here (dspark_drafter_dtype=\"auto\").")
+    return lines
 
 
 def format_batch_table(batch: dict[str, Any]) -> list[str]:
@@ -84,6 +143,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (part of a CPU profile's identity)")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=None, metavar="B",
                         help="also measure the batch axis t(B, w) at these batch sizes, e.g. 1 4 16 (batched generation)")
+    parser.add_argument("--drafter", default=None, metavar="DIR",
+                        help="also time plain generate and this drafter for each target dtype × drafter dtype and end "
+                        "with the recommendation (the fastest drafter dtype per target dtype is stored and used)")
+    parser.add_argument("--recommend-prompts", type=int, default=3, help="chat test prompts timed per pair (default: 3)")
+    parser.add_argument("--recommend-tokens", type=int, default=48, help="new tokens per prompt (default: 48)")
     parser.add_argument("--json", nargs="?", const="-", default=None, help="also write the report as JSON (file or '-')")
 
 

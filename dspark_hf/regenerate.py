@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
+from .progress import add_progress_argument, progress as progress_bar
 from .targets import input_device
 
 DEFAULT_MAX_BATCH_TOKENS = 8192  # padded prompt tokens per generate call (rows x longest prompt)
@@ -313,7 +313,7 @@ def regenerate_conversations(model, tokenizer, conversations: list[dict], output
     whole, the loop dropping finished rows itself, and a single conversation re-encodes its prompt each turn).
     Returns the number of conversations written by this call.
     """
-    from .data import check_chat_template
+    from .tokenization import check_chat_template
 
     check_chat_template(tokenizer)
     _check_conversations(conversations)
@@ -332,8 +332,8 @@ def regenerate_conversations(model, tokenizer, conversations: list[dict], output
     fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     written, throughput = 0, Throughput()
     turns = {c["id"]: sum(m["role"] == "user" for m in c["messages"]) for c in conversations}
-    bar = tqdm(total=sum(turns.values()), initial=sum(turns[i] for i in done if i in turns), unit="turn",
-               desc="regenerate", disable=not progress)
+    bar = progress_bar(total=sum(turns.values()), initial=sum(turns[i] for i in done if i in turns), unit="turn",
+                       desc="regenerate", enabled=progress)
     try:
         for start in range(0, len(todo), batch_size):
             dialogues = [Dialogue(c) for c in todo[start : start + batch_size]]
@@ -390,8 +390,8 @@ def regenerate_through_server(server, conversations: list[dict], output: str | o
     done = _read_done(output)
     todo = iter([Dialogue(c) for c in conversations if c["id"] not in done])
     turns = {c["id"]: sum(m["role"] == "user" for m in c["messages"]) for c in conversations}
-    bar = tqdm(total=sum(turns.values()), initial=sum(turns[i] for i in done if i in turns), unit="turn",
-               desc="regenerate", disable=not progress)
+    bar = progress_bar(total=sum(turns.values()), initial=sum(turns[i] for i in done if i in turns), unit="turn",
+                       desc="regenerate", enabled=progress)
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regenerate")
     pending: deque = deque()
     fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -475,7 +475,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--retries", type=int, default=5,
                         help="retries of a request after a connection error, 429 or 5xx, with exponential backoff (default: 5)")
     server.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for one reply (default: 600)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar and no tokens/s line")
+    add_progress_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -484,7 +484,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_batch_tokens < 1:
         raise ValueError(f"--max-batch-tokens {args.max_batch_tokens} is below 1; pass a padded-token budget such as 8192")
-    conversations = load_selected_conversations(args.dataset, args.split, args.limit, need_assistant=False)
+    conversations = load_selected_conversations(args.dataset, args.split, args.limit, need_assistant=False,
+                                                messages_column=args.messages_column)
     if args.max_turns is not None:
         conversations = [_first_user_turns(c, args.max_turns) for c in conversations]
     placement = placement_from_args(args)

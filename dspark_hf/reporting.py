@@ -9,9 +9,11 @@ from pathlib import Path
 
 import torch
 
+from .remote_code.profiling_dspark import cpu_isa_description
+
 
 def machine_description() -> str:
-    """CPU model, cores and torch threads (and the GPU if one is used): printed with every table."""
+    """CPU model and ISA, cores and torch threads (and the GPU if one is used): printed with every table."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -20,7 +22,8 @@ def machine_description() -> str:
                 break
     except OSError:
         pass
-    text = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} thread(s)"
+    text = (f"{cpu} ({cpu_isa_description()}), {os.cpu_count()} cores, torch {torch.__version__} with "
+            f"{torch.get_num_threads()} thread(s)")
     if torch.cuda.is_available():
         text += f", GPU {torch.cuda.get_device_name(0)}"
     return text

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import IndexedCache, collate_samples
+from .progress import progress as progress_bar
 from .training.anchors import sample_batch_anchors, slot_mask
 from .training.losses import slot_terms, target_probabilities
 
@@ -65,14 +66,15 @@ def _block_acceptance(model, batch: dict[str, torch.Tensor], max_anchors: int, s
 
 @torch.no_grad()
 def offline_acceptance(model, cache, max_anchors: int = 10_000, batch_size: int = 4, max_samples: int | None = None,
-                       seed: int = 0) -> dict[str, torch.Tensor]:
+                       seed: int = 0, progress: bool = True, desc: str = "eval") -> dict[str, torch.Tensor]:
     """Teacher-forced 1 - TV_k of every (sampled) anchor block of `cache`: accept (M, N), mask (M, N), and the raw
-    confidence logits (M, N) when the drafter has a confidence head."""
+    confidence logits (M, N) when the drafter has a confidence head. `progress`: a bar, else log lines."""
     model.eval()
     dataset = IndexedCache(cache)
     count = len(dataset) if max_samples is None else min(max_samples, len(dataset))
     device = model.fc.weight.device
     accepts, masks, confidences = [], [], []
+    bar = progress_bar(total=count, desc=desc, unit="sample", enabled=progress)
     for start in range(0, count, batch_size):
         batch = collate_samples([dataset[i] for i in range(start, min(start + batch_size, count))])
         accept, mask, confidence = _block_acceptance(model, {k: v.to(device) for k, v in batch.items()}, max_anchors, seed)
@@ -80,6 +82,8 @@ def offline_acceptance(model, cache, max_anchors: int = 10_000, batch_size: int 
         masks.append(mask)
         if confidence is not None:
             confidences.append(confidence)
+        bar.update(min(batch_size, count - start))
+    bar.close()
     if not accepts or sum(a.shape[0] for a in accepts) == 0:
         raise ValueError("the cache has no valid anchors (assistant tokens with a full block after them); use a larger cache.")
     result = {"accept": torch.cat(accepts), "mask": torch.cat(masks)}
@@ -88,11 +92,13 @@ def offline_acceptance(model, cache, max_anchors: int = 10_000, batch_size: int 
     return result
 
 
-def collect_rollouts(model, cache, max_anchors: int = 256, draws: int = 8, seed: int = 0, batch_size: int = 4) -> Rollouts:
+def collect_rollouts(model, cache, max_anchors: int = 256, draws: int = 8, seed: int = 0, batch_size: int = 4,
+                     progress: bool = True) -> Rollouts:
     """Run the drafter teacher-forced over `cache` and record confidence logits, 1 - TV and sampled survival."""
     if model.confidence_head is None:
         raise ValueError("this drafter has no confidence head (enable_confidence_head=False); there is nothing to calibrate.")
-    blocks = offline_acceptance(model, cache, max_anchors=max_anchors, batch_size=batch_size, seed=seed)
+    blocks = offline_acceptance(model, cache, max_anchors=max_anchors, batch_size=batch_size, seed=seed,
+                                progress=progress, desc="calibrate")
     return rollouts_from_blocks(blocks["confidence_logits"], blocks["accept"], blocks["mask"], draws, seed)
 
 

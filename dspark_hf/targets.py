@@ -15,12 +15,15 @@ from the target's safetensors shards (the index says which shard holds which ten
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+from .progress import interactive, timed
 
 SMOLLM2_ALIASES = ("smollm2", "huggingfacetb/smollm2-135m-instruct")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -92,6 +95,23 @@ def _location_and_name(name_or_path: str) -> tuple[str, str | None]:
 
 
 # ---------------------------------------------------------------------------------------------------------- loading
+@contextlib.contextmanager
+def _loading(name_or_path: str):
+    """A line when loading takes seconds (a GGUF dequantized, a big checkpoint) and its time; transformers' own
+    "Loading weights" bar only on a terminal (in a log file its redraws are one long line of noise)."""
+    from transformers.utils import logging
+
+    hide_bar = not interactive() and logging.is_progress_bar_enabled()
+    if hide_bar:
+        logging.disable_progress_bar()
+    try:
+        with timed(f"target: loading {name_or_path}"):
+            yield
+    finally:
+        if hide_bar:
+            logging.enable_progress_bar()
+
+
 def _load_model(location: str, name: str | None, dtype: str, device: str, placement: dict):
     from transformers import AutoModelForCausalLM
 
@@ -114,7 +134,8 @@ def load_target_model(name_or_path: str, dtype: str = "float32", device: str = "
     file is dequantized once into a cached dense copy (`assets.dense_copy_of_gguf`). With `device_map` (e.g.
     "auto") it is spread over the devices by Accelerate within `max_memory` (`plan_device_map`)."""
     placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
-    return _load_model(*_location_and_name(name_or_path), dtype, device, placement)
+    with _loading(name_or_path):
+        return _load_model(*_location_and_name(name_or_path), dtype, device, placement)
 
 
 def load_target(name_or_path: str, dtype: str = "float32", device: str = "cpu", device_map: str | dict | None = None,
@@ -122,9 +143,10 @@ def load_target(name_or_path: str, dtype: str = "float32", device: str = "cpu", 
     """(model, tokenizer) for a target, resolved and placed as `load_target_model` does."""
     from transformers import AutoTokenizer
 
-    location, name = _location_and_name(name_or_path)
     placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
-    return _load_model(location, name, dtype, device, placement), AutoTokenizer.from_pretrained(location)
+    with _loading(name_or_path):
+        location, name = _location_and_name(name_or_path)
+        return _load_model(location, name, dtype, device, placement), AutoTokenizer.from_pretrained(location)
 
 
 def load_target_tokenizer(name_or_path: str):

@@ -16,7 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .cache import HiddenStateCache
-from .data import load_conversations, split_conversations, tokenize_conversations
+from .data import load_conversations, split_conversations
+from .progress import add_progress_argument, progress as progress_bar
+from .tokenization import tokenize_conversations
 from .targets import add_target_argument, load_target_config, load_target_tokenizer
 
 
@@ -50,13 +52,15 @@ def full_draft_vocab(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(vocab_size, dtype=torch.int64), torch.ones(vocab_size, dtype=torch.bool)
 
 
-def count_assistant_tokens(source, vocab_size: int | None = None) -> torch.Tensor:
+def count_assistant_tokens(source, vocab_size: int | None = None, progress: bool = True) -> torch.Tensor:
     """Frequencies [V_t] of tokens with loss_mask == 1, over a `HiddenStateCache` (read shard by shard, ids and
-    mask only) or any iterable of {input_ids, loss_mask} samples (e.g. `data.tokenize_conversations`)."""
+    mask only) or any iterable of {input_ids, loss_mask} samples (e.g. `tokenization.tokenize_conversations`).
+    `progress`: a bar, else log lines (`dspark_hf.progress`)."""
     if isinstance(source, HiddenStateCache):
         vocab_size = vocab_size or int(source.manifest["vocab_size"])
         counts = torch.zeros(vocab_size, dtype=torch.int64)
-        for shard in range(len(source.manifest["shards"])):
+        shards = range(len(source.manifest["shards"]))
+        for shard in progress_bar(shards, desc="vocab", unit="shard", enabled=progress):
             handle, _ = source._open(shard)
             ids, mask = handle.get_tensor("input_ids"), handle.get_tensor("loss_mask").bool()
             counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
@@ -64,7 +68,8 @@ def count_assistant_tokens(source, vocab_size: int | None = None) -> torch.Tenso
     if vocab_size is None:
         raise ValueError("count_assistant_tokens needs vocab_size for a tokenized dataset (the target's vocabulary size)")
     counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for sample in source:
+    total = len(source) if hasattr(source, "__len__") else None
+    for sample in progress_bar(source, total=total, desc="vocab", unit="sample", enabled=progress):
         ids = sample["input_ids"][sample["loss_mask"].bool()]
         counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
     return counts
@@ -110,6 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full", action="store_true", help="full-vocabulary mode: d2t zeros, t2d all true")
     parser.add_argument("--max-length", type=int, default=2048, help="truncation when tokenizing --dataset (default: 2048)")
     parser.add_argument("--output", required=True, help="output safetensors file with d2t and t2d")
+    add_progress_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,15 +124,16 @@ def run(args: argparse.Namespace) -> int:
     if args.cache:
         cache = HiddenStateCache(args.cache)
         vocab_size = int(cache.manifest["vocab_size"])
-        counts = count_assistant_tokens(cache)
+        counts = count_assistant_tokens(cache, progress=not args.no_progress)
     else:
         if not args.target:
             raise ValueError("--dataset needs --target (its tokenizer and chat template find the assistant tokens)")
         tokenizer, config = load_target_tokenizer(args.target), load_target_config(args.target)
         vocab_size = (config.get_text_config() if hasattr(config, "get_text_config") else config).vocab_size
         conversations = split_conversations(load_conversations(args.dataset))["train"]  # never count test tokens
-        samples = tokenize_conversations(tokenizer, conversations, args.max_length, name=str(args.dataset))
-        counts = count_assistant_tokens(samples, vocab_size)
+        samples = tokenize_conversations(tokenizer, conversations, args.max_length, name=str(args.dataset),
+                                         progress=not args.no_progress)
+        counts = count_assistant_tokens(samples, vocab_size, progress=not args.no_progress)
     if args.full:
         d2t, t2d = full_draft_vocab(vocab_size)
     else:

@@ -273,7 +273,9 @@ def test_threshold_and_verify_cost_widths_follow_the_rows():
 
 def test_smollm2_batches_are_token_identical_to_plain_batched_generate(smollm2):
     """41 held-out prompts of mixed lengths (chat, multi-turn chat, code) at batch sizes 2, 3, 8 and 16, fp32 greedy,
-    with stop strings, a custom criterion and EOS in the mix: every row equals plain batched generate's."""
+    with stop strings, a custom criterion and EOS in the mix, the schedules alternating between whole blocks (every
+    round drafts) and the shipped hardware schedule (drafts what pays here): every row equals plain batched
+    generate's."""
     from dspark_hf.evaluation import load_drafter
     from dspark_hf.prompts import domain_prompts
 
@@ -285,8 +287,9 @@ def test_smollm2_batches_are_token_identical_to_plain_batched_generate(smollm2):
     newline = tokenizer.encode("\n")[-1]
     groups = [(2, {"stop_strings": [". "], "tokenizer": tokenizer})] * 4 + [(3, {"custom": newline})] * 3 + [
         (8, {"stop_strings": ["!"], "tokenizer": tokenizer, "custom": newline}), (16, {})]
-    start, rows = 0, 0
-    for size, options in groups:
+    start, rows, accepted = 0, 0, 0
+    for turn, (size, options) in enumerate(groups):
+        drafter.generation_config.dspark_schedule = ("hardware", "fixed")[turn % 2]
         batch = tokenizer(texts[start : start + size], padding=True, padding_side="left", return_tensors="pt")
         start += size
         options = dict(options)
@@ -295,9 +298,9 @@ def test_smollm2_batches_are_token_identical_to_plain_batched_generate(smollm2):
             options["stopping_criteria"] = StoppingCriteriaList([criterion])
         expected = target.generate(**batch, max_new_tokens=24, do_sample=False, **options)
         out = target.generate(**batch, max_new_tokens=24, do_sample=False, assistant_model=drafter, **options)
-        assert torch.equal(out, expected), (size, options.keys())
-        rows += size
-    assert rows == len(prompts) >= 32 and sum(drafter.last_generation_stats.accepted) > 0  # drafts were accepted
+        assert torch.equal(out, expected), (size, options.keys(), drafter.generation_config.dspark_schedule)
+        rows, accepted = rows + size, accepted + sum(drafter.last_generation_stats.accepted)
+    assert rows == len(prompts) >= 32 and accepted > 0  # drafts were accepted
 
 
 def test_profile_command_shows_the_batch_axis(tmp_path, monkeypatch, capsys):

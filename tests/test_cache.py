@@ -18,7 +18,8 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from dspark_hf.cache import HiddenStateCache, build_cache, shard_name
 from dspark_hf.corpora import chatterbot_conversations
-from dspark_hf.data import read_jsonl, tokenize_conversation
+from dspark_hf.data import read_jsonl
+from dspark_hf.tokenization import tokenize_conversation
 from dspark_hf.remote_code.configuration_dspark import DSparkConfig
 
 REPO = Path(__file__).resolve().parents[1]

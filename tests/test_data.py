@@ -10,14 +10,8 @@ import torch
 from conftest import make_tiny_target
 
 from dspark_hf.corpora import chatterbot_conversations, chitchat_conversations
-from dspark_hf.data import (
-    read_jsonl,
-    split_conversations,
-    split_of,
-    tokenize_conversation,
-    tokenize_conversations,
-    write_jsonl,
-)
+from dspark_hf.data import read_jsonl, split_conversations, split_of, write_jsonl
+from dspark_hf.tokenization import tokenize_conversation, tokenize_conversations
 from dspark_hf.regenerate import _rows_can_leave, _sampling, generate_batch, length_groups, regenerate_conversations
 
 CHAT = [
@@ -287,3 +281,102 @@ def test_regenerate_with_a_drafter_writes_what_plain_regeneration_writes(smollm2
 
 def _first_user_turn(conversation: dict) -> dict:
     return {"id": conversation["id"], "messages": conversation["messages"][:1]}
+
+
+# ------------------------------------------------------------------------------------- every dataset format users have
+def _sharegpt(conv: dict) -> dict:
+    speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+    return {"id": conv["id"], "conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in conv["messages"]]}
+
+
+def test_every_dataset_format_reads_the_same_conversations(tmp_path):
+    import datasets
+
+    from dspark_hf.data import load_conversations
+
+    convs = chatterbot_conversations()[:40]
+    table = datasets.Dataset.from_list(convs)
+    table.to_parquet(str(tmp_path / "chat.parquet"))
+    datasets.Dataset.from_list([_sharegpt(c) for c in convs]).to_parquet(str(tmp_path / "sharegpt.parquet"))
+    datasets.Dataset.from_list([{"id": c["id"], "dialog": c["messages"]} for c in convs]).to_parquet(str(tmp_path / "dialog.parquet"))
+    datasets.DatasetDict({"train": table, "test": table.select(range(3))}).save_to_disk(str(tmp_path / "saved"))
+    for k, part in enumerate((convs[:15], convs[15:])):
+        (tmp_path / "parquet-shards").mkdir(exist_ok=True)
+        datasets.Dataset.from_list(part).to_parquet(str(tmp_path / "parquet-shards" / f"train-{k:05d}.parquet"))
+        write_jsonl(tmp_path / "jsonl-shards" / f"part-{k}.jsonl", part)
+    shutil_copy_arrow(table, tmp_path / "chat.arrow")
+    for source in ("chat.parquet", "sharegpt.parquet", "saved", "parquet-shards", "jsonl-shards", "chat.arrow"):
+        assert load_conversations(tmp_path / source) == convs, source
+    assert load_conversations(tmp_path / "saved", hub_split="test") == convs[:3]
+    assert load_conversations(tmp_path / "dialog.parquet", messages_column="dialog") == convs
+
+
+def shutil_copy_arrow(table, path) -> None:
+    """An Arrow file as `datasets` writes its own (a stream of record batches)."""
+    import pyarrow as pa
+
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.data.table.schema) as writer:
+        writer.write_table(table.data.table)
+
+
+def test_a_hub_dataset_reads_from_the_local_cache_offline(tmp_path, monkeypatch):
+    """A Hub id offline: what `load_dataset` left in its cache on an earlier online run (built here by hand, with
+    the layout the Hub loader reads back offline)."""
+    import shutil
+
+    import datasets
+
+    from dspark_hf.data import load_conversations
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    convs = chatterbot_conversations()[:12]
+    datasets.Dataset.from_list(convs).to_parquet(str(tmp_path / "train.parquet"))
+    datasets.load_dataset("parquet", data_files=str(tmp_path / "train.parquet"), split="train", cache_dir=str(tmp_path / "cache"))
+    built = next((tmp_path / "cache" / "parquet").glob("default-*/0.0.0/*/dataset_info.json")).parent
+    entry = tmp_path / "cache" / "someone___tiny-chat" / "default" / "0.0.0" / built.name
+    shutil.copytree(built, entry)
+    for arrow in entry.glob("parquet-*.arrow"):
+        arrow.rename(entry / arrow.name.replace("parquet-", "tiny-chat-"))
+    assert load_conversations("someone/tiny-chat") == convs
+    with pytest.raises(ValueError, match="not a file, a folder, a built-in corpus .* or a Hub dataset in the local cache"):
+        load_conversations("someone/never-downloaded")
+
+
+def test_dataset_problems_are_one_line(tmp_path):
+    import datasets
+
+    from dspark_hf.data import load_conversations
+
+    datasets.Dataset.from_list([{"text": "hello"}]).to_parquet(str(tmp_path / "plain.parquet"))
+    with pytest.raises(ValueError, match=r"no 'messages' or 'conversations' column \(columns: text\); pass --messages-column"):
+        load_conversations(tmp_path / "plain.parquet")
+    with pytest.raises(ValueError, match="no column 'turns' .*pass --messages-column with one of them"):
+        load_conversations(tmp_path / "plain.parquet", messages_column="turns")
+    datasets.Dataset.from_list([{"messages": [{"role": "robot", "content": "x"}]}]).to_parquet(str(tmp_path / "robot.parquet"))
+    with pytest.raises(ValueError, match=r"robot.parquet row 0: unknown role 'robot'"):
+        load_conversations(tmp_path / "robot.parquet")
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.jsonl").write_text("")
+    (tmp_path / "mixed" / "b.parquet").write_bytes((tmp_path / "plain.parquet").read_bytes())
+    with pytest.raises(ValueError, match="mixes .jsonl, .parquet files"):
+        load_conversations(tmp_path / "mixed")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_conversations(tmp_path / "missing.parquet")
+    (tmp_path / "chat.txt").write_text("hi")
+    with pytest.raises(ValueError, match="unknown suffix"):
+        load_conversations(tmp_path / "chat.txt")
+
+
+@pytest.mark.slow
+def test_cli_reads_parquet_and_names_a_bad_column(tmp_path):
+    import subprocess
+    import sys
+
+    import datasets
+
+    datasets.Dataset.from_list([{"id": "x", "turns": [{"role": "user", "content": "hi"}]}]).to_parquet(str(tmp_path / "t.parquet"))
+    command = [sys.executable, "-m", "dspark_hf.cli", "regenerate", "--target", "smollm2", "--dataset",
+               str(tmp_path / "t.parquet"), "--output", str(tmp_path / "out.jsonl")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "pass --messages-column NAME" in result.stderr.strip().splitlines()[-1]

@@ -224,6 +224,32 @@ def test_bench_batch_size_runs_batched_methods_side_by_side(tiny, tmp_path, caps
         assert live["identical_to_plain"] == 2 and live["batch_rounds"] > 0 and 0 <= live["plain_step_share"] <= 1
 
 
+@pytest.mark.slow
+def test_bench_isa_runs_each_instruction_set_in_its_own_process_side_by_side(tiny, tmp_path, capsys):
+    """`bench --isa native avx2`: the bench once natively and once held to AVX2 (ATen, oneDNN and MKL capped in a
+    process of its own), each machine line naming its ISA, and DSpark × plain per ISA side by side."""
+    from dspark_hf import benchmark
+    from dspark_hf.data import write_jsonl
+
+    target, tokenizer, drafter = tiny
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "dspark")
+    write_jsonl(tmp_path / "prompts.jsonl", CONVERSATIONS)
+    parser = argparse.ArgumentParser()
+    benchmark.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "dspark"), "--target", str(tmp_path / "target"), "--prompts",
+                              str(tmp_path / "prompts.jsonl"), "--split", "all", "--num-prompts", "1", "--methods",
+                              "plain", "dspark", "--modes", "greedy", "--max-new-tokens", "4", "--repetitions", "1",
+                              "--dtype", "float32", "--isa", "native", "avx2", "--json", str(tmp_path / "bench.json")])
+    assert benchmark.run(args) == 0
+    out = capsys.readouterr().out
+    reports = json.loads((tmp_path / "bench.json").read_text())["isa"]
+    assert "capped" not in reports["native"]["machine"]
+    assert "AVX2, bf16 emulated, capped ATEN_CPU_CAPABILITY=avx2" in reports["avx2"]["machine"]
+    assert "| domain | mode | native × plain | avx2 × plain |" in out and "=== ISA avx2 ===" in out
+
+
 def _example(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

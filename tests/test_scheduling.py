@@ -23,11 +23,12 @@ from test_generation import (
 )
 
 from dspark_hf import cli
-from dspark_hf.remote_code import generation_dspark, modeling_dspark, profiling_dspark
+from dspark_hf.remote_code import generation_dspark, live_profiling_dspark, modeling_dspark, profiling_dspark
+from dspark_hf.remote_code.live_profiling_dspark import DSparkLiveVerifyProfile
 from dspark_hf.remote_code.generation_dspark import DSparkDraftingSettings
 from dspark_hf.remote_code.profiling_dspark import (
     DSparkVerifyProfile,
-    load_or_measure_verify_profile,
+    store_verify_profile,
     verify_profile_key,
     verify_profile_path,
 )
@@ -49,6 +50,11 @@ def linear_profile(slope: float, max_drafts: int = 7, **kwargs) -> DSparkVerifyP
     return synthetic_profile([1.0 + slope * k for k in range(max_drafts + 1)], **kwargs)
 
 
+def live(profile: DSparkVerifyProfile) -> DSparkLiveVerifyProfile:
+    """A measured profile as the shape of a live one (what `make_schedule` hands a schedule), kept in memory."""
+    return DSparkLiveVerifyProfile.fresh(profile.key, profile.max_drafts, profile, None)
+
+
 def drafted(schedule: DSparkHardwareAwareSchedule, confidences: list[float]) -> int:
     """How many drafts the schedule admits, left to right, for these calibrated confidences c_1, c_2, ..."""
     schedule.start()
@@ -66,18 +72,18 @@ def drafted(schedule: DSparkHardwareAwareSchedule, confidences: list[float]) -> 
 
 def test_no_drafts_when_every_extra_token_costs_a_full_step():
     """t(k) = (1 + k)·t(0): even near-certain drafts cannot beat a plain step (expected tokens < 1 + k)."""
-    schedule = DSparkHardwareAwareSchedule(linear_profile(1.0), draft_time_s=0.0)
+    schedule = DSparkHardwareAwareSchedule(live(linear_profile(1.0)), draft_time_s=0.0)
     assert drafted(schedule, [0.99] * 7) == 0
     assert drafted(schedule, [0.3] * 7) == 0
 
 
 def test_full_blocks_when_verify_is_nearly_free():
-    schedule = DSparkHardwareAwareSchedule(linear_profile(0.01), draft_time_s=0.05)
+    schedule = DSparkHardwareAwareSchedule(live(linear_profile(0.01)), draft_time_s=0.05)
     assert drafted(schedule, [0.8] * 7) == 7
 
 
 def test_cheaper_verify_means_longer_blocks():
-    lengths = [drafted(DSparkHardwareAwareSchedule(linear_profile(s), draft_time_s=0.05), [0.7] * 7)
+    lengths = [drafted(DSparkHardwareAwareSchedule(live(linear_profile(s)), draft_time_s=0.05), [0.7] * 7)
                for s in (0.01, 0.1, 0.25, 0.5, 1.0)]
     assert lengths == sorted(lengths, reverse=True)
     assert lengths[0] == 7 and 0 < lengths[2] < 7 and lengths[-1] == 0
@@ -85,20 +91,20 @@ def test_cheaper_verify_means_longer_blocks():
 
 def test_no_drafts_when_the_drafter_costs_more_than_it_saves():
     """Flat t(k), but the drafter's own time per round is three plain steps: drafting cannot pay."""
-    assert drafted(DSparkHardwareAwareSchedule(linear_profile(0.0), draft_time_s=3.0), [0.7] * 7) == 0
-    assert drafted(DSparkHardwareAwareSchedule(linear_profile(0.0), draft_time_s=0.1), [0.7] * 7) == 7
+    assert drafted(DSparkHardwareAwareSchedule(live(linear_profile(0.0)), draft_time_s=3.0), [0.7] * 7) == 0
+    assert drafted(DSparkHardwareAwareSchedule(live(linear_profile(0.0)), draft_time_s=0.1), [0.7] * 7) == 7
 
 
 def test_block_stops_where_confidence_drops():
-    schedule = DSparkHardwareAwareSchedule(linear_profile(0.1), draft_time_s=0.05)
+    schedule = DSparkHardwareAwareSchedule(live(linear_profile(0.1)), draft_time_s=0.05)
     assert drafted(schedule, [0.95, 0.95, 0.9, 0.05, 0.95, 0.95, 0.95]) == 3
 
 
 def test_min_gain_raises_the_bar_for_drafting_but_not_the_length_of_a_drafted_block():
     """A drafted round must promise `min_gain` × a plain step's rate; among drafted lengths nothing changes."""
     marginal, sure = [0.45] * 7, [0.95, 0.95, 0.9, 0.05, 0.95, 0.95, 0.95]
-    plain_bar = DSparkHardwareAwareSchedule(linear_profile(0.3), draft_time_s=0.05)
-    raised_bar = DSparkHardwareAwareSchedule(linear_profile(0.3), draft_time_s=0.05, min_gain=1.3)
+    plain_bar = DSparkHardwareAwareSchedule(live(linear_profile(0.3)), draft_time_s=0.05)
+    raised_bar = DSparkHardwareAwareSchedule(live(linear_profile(0.3)), draft_time_s=0.05, min_gain=1.3)
     assert drafted(plain_bar, marginal) > 0 and drafted(raised_bar, marginal) == 0
     assert drafted(plain_bar, sure) == drafted(raised_bar, sure) == 3
 
@@ -113,14 +119,14 @@ def test_greedy_lookahead_sees_past_a_weak_first_draft_and_cuts_back_after_a_dip
     verify cost jumps at k = 3, three sure drafts lure a left-to-right schedule past it; with lookahead it drafts
     on (later drafts could have been sure), sees c_4 fall and proposes k = 2, the better stop."""
     weak_start = [0.15] + [0.95] * 6
-    left_to_right = DSparkHardwareAwareSchedule(linear_profile(0.1), draft_time_s=0.05)
-    lookahead = DSparkHardwareAwareSchedule(linear_profile(0.1), draft_time_s=0.05, lookahead=True)
+    left_to_right = DSparkHardwareAwareSchedule(live(linear_profile(0.1)), draft_time_s=0.05)
+    lookahead = DSparkHardwareAwareSchedule(live(linear_profile(0.1)), draft_time_s=0.05, lookahead=True)
     assert drafted(left_to_right, weak_start) == 0 and proposed(lookahead, weak_start) == 7
     assert drafted(lookahead, [0.01] * 7) == 0  # nothing later could rescue it: the drafter stops at once
 
     jump, fall = synthetic_profile([1.0, 1.2, 1.4, 2.5, 2.6, 2.7, 2.8, 2.9]), [0.9, 0.9, 0.9, 0.2, 0.2, 0.2, 0.2]
-    assert drafted(DSparkHardwareAwareSchedule(jump, draft_time_s=0.05), fall) >= 3
-    lookahead = DSparkHardwareAwareSchedule(jump, draft_time_s=0.05, lookahead=True)
+    assert drafted(DSparkHardwareAwareSchedule(live(jump), draft_time_s=0.05), fall) >= 3
+    lookahead = DSparkHardwareAwareSchedule(live(jump), draft_time_s=0.05, lookahead=True)
     assert drafted(lookahead, fall) == 3 and lookahead.finish(3) == 2
 
 
@@ -131,7 +137,7 @@ def test_schedule_follows_the_context_length_and_the_live_verify_speed():
         verify_time_s=[[1.0 + 0.01 * k for k in range(8)], [1.0 + 1.0 * k for k in range(8)]], spread_s=[[0.0] * 8] * 2,
     )
     assert profile.verify_time(3, 136) == pytest.approx((1.03 + 4.0) / 2)
-    schedule = DSparkHardwareAwareSchedule(profile, draft_time_s=0.05)
+    schedule = DSparkHardwareAwareSchedule(live(profile), draft_time_s=0.05)
     schedule.context_length = 16
     assert drafted(schedule, [0.8] * 7) == 7
     schedule.context_length = 256
@@ -143,14 +149,16 @@ def test_schedule_follows_the_context_length_and_the_live_verify_speed():
     assert drafted(schedule, [0.8] * 7) == 7
     for _ in range(40):  # verify passes now run 10× faster than profiled: the same drafter time weighs 10× more
         schedule.observe_verify_time(0, 16, 0.1)
-    assert schedule.verify_scale == pytest.approx(0.1, rel=1e-2)
+    assert schedule.profile.verify_time(0, 16) == pytest.approx(0.1, rel=1e-2)
+    assert schedule.profile.verify_time(7, 16) == pytest.approx(0.107, rel=1e-2)  # k unseen: its neighbours' ratio
+    schedule.start()
     assert drafted(schedule, [0.8] * 7) == 0
 
 
 def test_noisy_profile_falls_back_to_the_threshold_rule():
     """On a noisy profile the schedule admits while a_n = Π c_i ≥ 0.5, whatever the timings say."""
-    assert drafted(DSparkHardwareAwareSchedule(linear_profile(1.0), draft_time_s=0.0), [0.8] * 7) == 0
-    noisy = DSparkHardwareAwareSchedule(linear_profile(1.0, noisy=True), draft_time_s=0.0)
+    assert drafted(DSparkHardwareAwareSchedule(live(linear_profile(1.0)), draft_time_s=0.0), [0.8] * 7) == 0
+    noisy = DSparkHardwareAwareSchedule(live(linear_profile(1.0, noisy=True)), draft_time_s=0.0)
     assert drafted(noisy, [0.8] * 7) == 3  # 0.8, 0.64, 0.512, then 0.41 < 0.5
 
 
@@ -197,7 +205,7 @@ def test_measured_profile_times_every_draft_count(monkeypatch):
 
 def test_online_bias_learns_from_the_drafts_verification_reached():
     """Each reached draft (all before it accepted) is one outcome; drafts after the first rejection teach nothing."""
-    schedule = DSparkHardwareAwareSchedule(linear_profile(0.0), draft_time_s=0.0)
+    schedule = DSparkHardwareAwareSchedule(live(linear_profile(0.0)), draft_time_s=0.0)
     assert drafted(schedule, [0.5] * 3) == 3
     assert schedule.observe_outcome(3, 0) == (pytest.approx(0.5), 0, 1)  # draft 1 rejected: drafts 2, 3 never verified
     assert schedule.bias == pytest.approx(-schedule.recalibration_rate * 0.5)
@@ -212,8 +220,8 @@ def test_online_bias_learns_from_the_drafts_verification_reached():
 
 def test_lowered_confidences_draft_fewer_tokens():
     """The same offline confidences, after the bias learned that they overstate survival, buy shorter blocks."""
-    trusting = DSparkHardwareAwareSchedule(linear_profile(0.3), draft_time_s=0.0)
-    doubtful = DSparkHardwareAwareSchedule(linear_profile(0.3), draft_time_s=0.0)
+    trusting = DSparkHardwareAwareSchedule(live(linear_profile(0.3)), draft_time_s=0.0)
+    doubtful = DSparkHardwareAwareSchedule(live(linear_profile(0.3)), draft_time_s=0.0)
     doubtful.bias = -1.5
     assert drafted(trusting, [0.8] * 7) > drafted(doubtful, [0.8] * 7) > 0
 
@@ -523,40 +531,70 @@ def warnings_seen(caplog):
     transformers.logging.disable_propagation()
 
 
-def test_profile_is_measured_once_stored_under_hf_home_and_reused(profile_home, tmp_path, warnings_seen):
+def test_first_call_measures_nothing_learns_from_its_rounds_and_the_next_process_goes_on(profile_home, monkeypatch):
+    monkeypatch.setattr(live_profiling_dspark, "STORE_EVERY", 1)
     target = make_tiny_target("llama")
-    first = load_or_measure_verify_profile(target, 5)
-    path = Path(verify_profile_path(verify_profile_key(target)))
-    assert path.is_file() and path.is_relative_to(tmp_path / "dspark" / "profiles")
-    assert "measured the target's verify cost" in warnings_seen.text
-    assert load_or_measure_verify_profile(target, 5) == first and profile_home == [5]
-    load_or_measure_verify_profile(target, 7)  # a longer block than profiled: measured again
-    assert profile_home == [5, 7]
+    drafter = scheduled_drafter(target, None)
+    for prompt in PROMPTS[:2]:
+        expected = greedy(target, prompt, max_new_tokens=24, eos_token_id=None)
+        assert torch.equal(greedy(target, prompt, max_new_tokens=24, eos_token_id=None, assistant_model=drafter), expected)
+    assert profile_home == []  # nothing measured on the call
+    live = drafter.drafting_state.live_verify_profile
+    assert sum(live.counts) > 0
+    assert live.prior is None and not live.noisy
+    path = Path(verify_profile_path({**verify_profile_key(target), "axis": "live"}))
+    assert path.is_file()
+    again = live_profiling_dspark.live_verify_profile(target, live.max_drafts)  # a new process starts where this one was
+    assert again.counts == live.counts and again.ratios == pytest.approx(live.ratios)
+
+
+def test_a_stored_measured_profile_shapes_the_live_one_and_live_rounds_correct_it(profile_home):
+    target = make_tiny_target("llama")
+    key = verify_profile_key(target)
+    store_verify_profile(linear_profile(1.0, 5, key=key), verify_profile_path(key))
+    live = live_profiling_dspark.live_verify_profile(target, 5)
+    assert not live.noisy and live.verify_time(3, 16) == pytest.approx(4.0)
+    for _ in range(10):  # one-draft rounds cost 3 steps here, not the profile's 2
+        live.observe(1, 16, 6.0)
+    assert live.verify_time(1, 16) == pytest.approx(6.0) and live.verify_time(5, 16) == pytest.approx(18.0)
+    store_verify_profile(linear_profile(0.5, 5, key=key), verify_profile_path(key))  # re-measured: start over
+    assert live_profiling_dspark.live_verify_profile(target, 5).counts == [0] * 6
+
+
+def test_a_noisy_profile_is_refined_by_live_rounds_not_abandoned():
+    schedule = DSparkHardwareAwareSchedule(live(linear_profile(1.0, noisy=True)), draft_time_s=0.0)
+    assert drafted(schedule, [0.8] * 7) == 3  # nothing to rank k by yet: the threshold rule
+    for k in range(8):
+        schedule.observe_verify_time(k, 16, 1.0)  # every k as cheap as a plain step here
+    assert not schedule.profile.noisy
+    assert drafted(schedule, [0.8] * 7) == 7
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "something else"}),
                                      json.dumps({"format": profiling_dspark.PROFILE_FORMAT, "key": {}}),
                                      json.dumps({"format": "dspark-verify-profile/1", "key": {}})])  # older: interpolated
-def test_corrupt_profile_is_ignored_with_one_warning_and_remeasured(profile_home, warnings_seen, content):
+def test_corrupt_profile_is_ignored_with_one_warning(profile_home, warnings_seen, content):
     target = make_tiny_target("llama")
     path = Path(verify_profile_path(verify_profile_key(target)))
     path.parent.mkdir(parents=True)
     path.write_text(content)
-    profile = load_or_measure_verify_profile(target, 5)
-    assert profile_home == [5] and profile.key == verify_profile_key(target)
+    live = live_profiling_dspark.live_verify_profile(target, 5)
+    assert profile_home == [] and live.prior is None and live.key == verify_profile_key(target)
     unreadable = [r for r in warnings_seen.records if "unreadable" in r.getMessage()]
     assert len(unreadable) == 1 and str(path) in unreadable[0].getMessage()
-    assert DSparkVerifyProfile.from_dict(json.loads(path.read_text())) == profile  # replaced by a good one
+    live_path = Path(verify_profile_path({**verify_profile_key(target), "axis": "live"}))
+    live_path.write_text(content)
+    assert live_profiling_dspark.live_verify_profile(target, 5).counts == [0] * 6
 
 
-def test_foreign_profile_is_ignored_with_one_warning_and_remeasured(profile_home, warnings_seen):
+def test_foreign_profile_is_ignored_with_one_warning(profile_home, warnings_seen):
     target = make_tiny_target("llama")
     key = verify_profile_key(target)
     path = Path(verify_profile_path(key))
     path.parent.mkdir(parents=True)
     foreign = linear_profile(0.0, 5, key={**key, "device_name": "another machine"})
     path.write_text(json.dumps(foreign.to_dict()))
-    assert load_or_measure_verify_profile(target, 5).key == key and profile_home == [5]
+    assert live_profiling_dspark.live_verify_profile(target, 5).prior is None and profile_home == []
     assert sum("belongs to another" in r.getMessage() for r in warnings_seen.records) == 1
 
 
@@ -569,7 +607,7 @@ def test_profile_identity_covers_dtype_and_target():
     drafter = scheduled_drafter(target, None)  # an injected profile of another dtype is not used
     drafter.drafting_state.verify_profile = linear_profile(0.0, 5, key={**key, "dtype": "bfloat16"})
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(generation_dspark, "load_or_measure_verify_profile", lambda t, n: linear_profile(9.0, n, key=key))
+        patch.setattr(live_profiling_dspark, "_read_stored_profile", lambda path, k: linear_profile(9.0, 5, key=key))
         settings = dataclasses.replace(DSparkDraftingSettings.from_drafter(drafter), num_drafts=5)
         schedule = generation_dspark.make_schedule(drafter, target, settings, do_sample=False)
     assert schedule.profile.key == key and schedule.profile.verify_time(1, 16) == 10.0
@@ -587,3 +625,29 @@ def test_profile_command_measures_stores_and_prints_the_table(tmp_path, monkeypa
     assert len(stored) == 1
     profile = DSparkVerifyProfile.from_dict(json.loads(stored[0].read_text()))
     assert profile.context_lengths == [8, 16] and profile.max_drafts == 3
+
+
+@pytest.mark.slow
+def test_profile_recommends_the_fastest_pair_and_drafters_then_run_in_that_dtype(tmp_path, monkeypatch, capsys):
+    """`dspark-hf profile --drafter`: plain and DSpark tokens/s for each target × drafter dtype on the real target,
+    the recommendation line, and the fastest drafter dtype stored, which a drafter left at "auto" then runs in."""
+    from transformers import AutoModel
+
+    from dspark_hf.targets import load_target
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    code = cli.main(["profile", "--target", "smollm2", "--dtype", "float32", "--max-drafts", "3", "--contexts", "16",
+                     "--repeats", "1", "--drafter", str(EXAMPLE), "--recommend-prompts", "1", "--recommend-tokens", "6"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.count(" | plain    | ") == 2 and "recommended: target " in out
+    target, _ = load_target("smollm2", dtype="float32")
+    fastest = profiling_dspark.stored_drafter_dtype(target)
+    assert fastest in ("float32", "bfloat16")
+    drafter = AutoModel.from_pretrained(EXAMPLE, trust_remote_code=True, dtype=torch.float16)
+    inputs = {"input_ids": torch.tensor([[1, 2, 3, 4]])}
+    expected = target.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert torch.equal(target.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=drafter), expected)
+    assert next(drafter.parameters()).dtype == getattr(torch, fastest)
+    drafter.to(torch.float16).generation_config.dspark_drafter_dtype = "as-loaded"
+    target.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=drafter)
+    assert next(drafter.parameters()).dtype == torch.float16

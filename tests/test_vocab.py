@@ -10,7 +10,7 @@ from dspark_hf.assets import smollm2_path
 from dspark_hf.cache import HiddenStateCache, build_cache
 from dspark_hf.cli import main
 from dspark_hf.corpora import chatterbot_conversations
-from dspark_hf.data import tokenize_conversations
+from dspark_hf.tokenization import tokenize_conversations
 from dspark_hf.vocab import (
     build_draft_vocab,
     count_assistant_tokens,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..progress import add_progress_argument, progress as progress_bar
 from ..targets import add_target_argument, load_target_heads
 from .convert import DTYPES
 from .speculators import read_speculators
@@ -50,8 +51,10 @@ def export(
     target=None,
     dtype: str = "bfloat16",
     format: str = "speculators",
+    progress: bool = True,
 ) -> Path:
-    """Export `source` (this project's layout) to `destination`; `target` is a loaded model or a path to bind from."""
+    """Export `source` (this project's layout) to `destination`; `target` is a loaded model or a path to bind from.
+    `progress`: a bar over its three steps (read, bind, write), else log lines."""
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; use one of {', '.join(FORMATS)}.")
     if dtype not in DTYPES:
@@ -59,11 +62,14 @@ def export(
     destination = Path(destination)
     if destination.exists() and any(destination.iterdir()):
         raise FileExistsError(f"{destination} is not empty; choose a new output directory.")
+    bar = progress_bar(total=3, desc="export", unit="step", enabled=progress)
     checkpoint = read_speculators(source)
+    bar.update()
     if target is not None:
         if isinstance(target, (str, Path)):  # a path, a Hub id, or `smollm2` (the offline target)
             target = load_target_heads(str(target))  # the two tensors from the safetensors shards, not the model
         bind_from_target(checkpoint, target)
+    bar.update()
     if checkpoint.config.bind_target_embeddings:
         raise ValueError(
             "the checkpoint binds embed_tokens/lm_head from the target at attach time and does not contain them; "
@@ -78,7 +84,10 @@ def export(
     # The source is already in this layout: keep only the record of an earlier conversion into it, if any.
     record = Path(source) / "conversion.json"
     checkpoint.conversion = json.loads(record.read_text()) if record.is_file() else {}
-    return write_checkpoint(checkpoint, destination, dtype=DTYPES[dtype])
+    written = write_checkpoint(checkpoint, destination, dtype=DTYPES[dtype])
+    bar.update()
+    bar.close()
+    return written
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -90,6 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser):
                         help="target architecture class name (repeatable), e.g. Qwen3ForCausalLM")
     add_target_argument(parser)  # the model embed_tokens/lm_head are copied from
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="floating-point dtype (auto = keep)")
+    add_progress_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         target=args.target,
         dtype=args.dtype,
         format=args.format,
+        progress=not args.no_progress,
     )
     print(f"wrote {destination} (speculators/vLLM layout)")
     return 0

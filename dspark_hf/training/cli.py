@@ -14,6 +14,7 @@ import json
 import sys
 from dataclasses import fields
 
+from ..progress import add_progress_argument
 from ..targets import add_target_argument
 from .online import ONLINE_DTYPES, check_data_source
 from .trainer import TrainingArguments
@@ -72,7 +73,10 @@ def _add_online_arguments(parser: argparse.ArgumentParser, defaults: TrainingArg
         "run the frozen --target inside the training loop instead of reading a cache; the dataset is read and tokenized "
         "as `dspark-hf cache` reads it, so the drafter equals one trained on a cache of the same data and dtype")
     online.add_argument("--online", action="store_true", help="train without a cache (needs --target and --dataset)")
-    online.add_argument("--dataset", help="JSONL (OpenAI messages or ShareGPT), or `chitchat` / `chatterbot`")
+    online.add_argument("--dataset", help="JSONL, Parquet, Arrow, a `save_to_disk` folder, a folder of shards, a Hub "
+                        "dataset id (OpenAI messages or ShareGPT conversations), or `chitchat` / `chatterbot`")
+    online.add_argument("--messages-column", default=None,
+                        help="the column holding each conversation's turns (default: messages or conversations)")
     online.add_argument("--split", default=defaults.split, choices=["train", "validation", "test", "all"],
                         help="hash split of --dataset to train on (default: all)")
     online.add_argument("--limit", type=int, help="only the first N conversations of the split")
@@ -141,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="continue from the latest checkpoint in --output-dir (or the given checkpoint directory)")
     book.add_argument("--max-steps-per-run", type=int, help="checkpoint and stop after this many steps (time-boxed jobs)")
     book.add_argument("--report-to", default=defaults.report_to, help="accelerate tracker (tensorboard, wandb, ...) or 'none'")
-    book.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    add_progress_argument(book)
 
 
 def arguments_from_namespace(args: argparse.Namespace) -> TrainingArguments:

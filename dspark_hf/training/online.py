@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..cache import capture_hidden_states, default_aux_layer_ids
-from ..data import load_selected_conversations, tokenize_conversations
+from ..data import load_selected_conversations
+from ..tokenization import tokenize_conversations
 from ..targets import load_target
 
 ONLINE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -114,12 +115,14 @@ def open_online(args, device, log=print) -> list[OnlineHiddenStates]:
     """The training data and, with `--eval-dataset`, the validation data: each dataset tokenized as `dspark-hf cache`
     tokenizes it, both sharing one target loaded in `--target-dtype` on `device` (the datasets are read first, so a
     bad file is refused before a large target loads)."""
-    sources = [load_selected_conversations(args.dataset, args.split, args.limit)]  # read as `dspark-hf cache` reads it
+    column = args.messages_column
+    sources = [load_selected_conversations(args.dataset, args.split, args.limit, messages_column=column)]  # as `cache`
     if args.eval_dataset:
-        sources.append(load_selected_conversations(args.eval_dataset, args.eval_split))
+        sources.append(load_selected_conversations(args.eval_dataset, args.eval_split, messages_column=column))
     target, tokenizer = load_target(args.target, dtype=args.target_dtype, device=device)
     aux = list(args.aux_layers) if args.aux_layers else default_aux_layer_ids(target.config.get_text_config().num_hidden_layers)
-    data = [OnlineHiddenStates(target, tokenize_conversations(tokenizer, conversations, max_length=args.max_length),
+    data = [OnlineHiddenStates(target, tokenize_conversations(tokenizer, conversations, max_length=args.max_length,
+                                                              progress=args.progress),
                                aux, args.online_dtype) for conversations in sources]
     log(f"online: {' + '.join(f'{len(d)} samples ({d.num_tokens} tokens)' for d in data)}; target in "
         f"{args.target_dtype} on {device}, aux layers {aux} stored as {args.online_dtype}")

@@ -43,10 +43,10 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import ProjectConfiguration, set_seed
 from filelock import FileLock, Timeout
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from ..cache import HiddenStateCache, IndexedCache, collate_samples
+from ..progress import progress
 from ..targets import load_target_heads
 from .anchors import sample_batch_anchors, slot_mask
 from .build import build_drafter
@@ -65,7 +65,8 @@ class TrainingArguments:
     eval_cache: str | None = None
     # Online (cache-free) training: the frozen `target` runs inside the loop on `dataset` (see `online.py`).
     online: bool = False
-    dataset: str | None = None  # JSONL or a built-in corpus, read and tokenized as `dspark-hf cache` reads it
+    dataset: str | None = None  # any `--dataset` source, read and tokenized as `dspark-hf cache` reads it
+    messages_column: str | None = None  # the column holding the turns (default: messages or conversations)
     split: str = "all"
     limit: int | None = None
     max_length: int | None = 2048
@@ -168,7 +169,9 @@ def evaluate(accelerator, model, loader, head_weight, t2d, args: TrainingArgumen
     """Validation metrics on the held-out cache with fixed anchors, summed over processes."""
     model.eval()
     window = MetricWindow(num_drafts, accelerator.device)
-    for batch in loader:
+    batches = progress(loader, total=len(loader), desc="validate", unit="batch", enabled=args.progress,
+                       silent=not accelerator.is_local_main_process)
+    for batch in batches:
         result, anchor_mask = compute_batch_loss(
             model, batch, head_weight, t2d, args.loss_config(), num_drafts, args.eval_max_anchors, args.seed, epoch=-1
         )
@@ -341,8 +344,8 @@ class TrainingLoop:
         self.eval_metrics: dict[str, float] = {}
         self.history: list[tuple[int, dict[str, float]]] = []  # (step, validation metrics)
         self.run_steps = 0
-        show = args.progress and accelerator.is_local_main_process
-        self.progress = tqdm(total=max_steps, initial=state.step, desc="train", disable=not show)
+        self.progress = progress(total=max_steps, initial=state.step, desc="train", unit="step", enabled=args.progress,
+                                 silent=not accelerator.is_local_main_process)
 
     def micro_step(self, batch) -> bool:
         """Forward, backward and, at an accumulation boundary, the optimizer step; True when a step was taken."""

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .profiling_dspark import DSparkVerifyProfile
+from .live_profiling_dspark import DSparkLiveVerifyProfile
 
 
 class DSparkDraftSchedule:
@@ -112,9 +112,11 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
     the draft time (the back-off then skips the drafter), so drafting must beat plain decoding, and by `min_gain`: a
     drafted round's cost counts `min_gain` times over, so it must promise that multiple of a plain step's rate (its
     outcome is a gamble on a few probabilities, and a short generation never earns a lost round back; among drafted
-    lengths the comparison is unchanged). t(k) comes from the profile at the current context length, rescaled by how
-    fast verify passes actually run now (a shared machine drifts); the draft time is a running mean of the drafter's own time per round. On a noisy profile the schedule
-    falls back to the calibrated threshold rule (admit while a_n ≥ `fallback_threshold`).
+    lengths the comparison is unchanged). t(k) comes from the live profile at the current context length: the measured
+    shape (or a prior one) times what verify passes of each k really cost here, learned from every round (a shared
+    machine drifts, and a CPU prices short rounds unlike its profile); the draft time is a running mean of the
+    drafter's own time per round. Until there is anything to rank k by (`profile.noisy`), the schedule falls back to
+    the calibrated threshold rule (admit while a_n ≥ `fallback_threshold`).
 
     Greedy decoding (`lookahead`) lifts the left-to-right restriction: greedy verification commits the target's own
     argmax whatever is proposed, so any k is lossless, and the schedule drafts on while even certain later drafts
@@ -139,7 +141,7 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
 
     def __init__(
         self,
-        profile: DSparkVerifyProfile,
+        profile: DSparkLiveVerifyProfile,
         max_drafts: int | None = None,
         draft_time_s: float | None = None,
         min_gain: float = 1.0,
@@ -150,7 +152,6 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         self.lookahead = lookahead
         self.max_drafts = profile.max_drafts if max_drafts is None else min(max_drafts, profile.max_drafts)
         self.draft_time_s = draft_time_s
-        self.verify_scale = 1.0
         self.context_length = profile.context_lengths[0]
         self.bias = 0.0
         self.start()
@@ -159,10 +160,8 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         self.draft_time_s = seconds if self.draft_time_s is None else self._smooth(self.draft_time_s, seconds)
 
     def observe_verify_time(self, num_drafts: int, context_length: int, seconds: float):
-        """A live verify round of k drafts: track the ratio of real to profiled time."""
-        profiled = self.profile.verify_time(min(num_drafts, self.profile.max_drafts), context_length)
-        if profiled > 0:
-            self.verify_scale = self._smooth(self.verify_scale, seconds / profiled)
+        """A live verify round of k drafts: the live profile learns what rounds of k really cost here."""
+        self.profile.observe(num_drafts, context_length, seconds)
 
     def observe_outcome(self, num_drafted: int, num_accepted: int) -> tuple[float, int, int]:
         """After verification of this round's `num_drafted` drafts: nudge the bias toward the outcomes of the drafts
@@ -183,7 +182,7 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
     def round_cost(self, num_drafts: int, draft_s: float) -> float:
         """Seconds a round verifying `num_drafts` drafts is charged: its verify pass plus `draft_s`, times `min_gain`.
         k = 0 is a plain step: with the back-off the drafter then stops running too."""
-        verify = self.verify_scale * self.profile.verify_time(num_drafts, self.context_length)
+        verify = self.profile.verify_time(num_drafts, self.context_length)
         return verify if num_drafts == 0 else self.min_gain * (verify + draft_s)
 
     def start(self):

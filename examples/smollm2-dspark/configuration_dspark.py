@@ -13,8 +13,26 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from huggingface_hub.dataclasses import strict
-from transformers import PreTrainedConfig, PreTrainedModel
+import transformers
+from packaging.version import Version  # a dependency of transformers
+
+# The transformers releases this code runs on (>= low, < high; fp32 greedy identity checked by tests/test_install.py).
+# 5.24 renamed `past_key_values` to `cache`, which this code uses throughout; a newer minor is refused until tested.
+TRANSFORMERS_RANGE = ("5.24", "5.25")
+
+
+def check_transformers_version(version: str = transformers.__version__):
+    """One line naming the version needed, raised on import, before an older release fails somewhere confusing."""
+    low, high = TRANSFORMERS_RANGE
+    if not Version(low) <= Version(Version(version).base_version) < Version(high):
+        raise ImportError(f"dspark drafter remote code needs transformers >={low},<{high} (found {version}); "
+                          f"pip install 'transformers>={low},<{high}'")
+
+
+check_transformers_version()
+
+from huggingface_hub.dataclasses import strict  # noqa: E402 (after the version check: older releases lack these)
+from transformers import PreTrainedConfig, PreTrainedModel  # noqa: E402
 
 
 # The remote-code files, written once: each checkpoint carries all of them (`save_pretrained` copies every file that
@@ -28,6 +46,7 @@ REMOTE_CODE_FILES = (
     "routing_dspark.py",
     "scheduling_dspark.py",
     "profiling_dspark.py",
+    "live_profiling_dspark.py",
 )
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -305,4 +324,7 @@ def check_target_compatibility(config: DSparkConfig, target: PreTrainedModel):
         )
 
 
-__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "PRESETS", "REMOTE_CODE_FILES", "check_target_compatibility"]
+__all__ = [
+    "DSparkConfig", "MARKOV_HEAD_TYPES", "PRESETS", "REMOTE_CODE_FILES", "TRANSFORMERS_RANGE",
+    "check_target_compatibility", "check_transformers_version",
+]

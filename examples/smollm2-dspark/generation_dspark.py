@@ -26,14 +26,15 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 
+from .live_profiling_dspark import DSparkLiveVerifyProfile, live_verify_profile
 from .profiling_dspark import (
     DSparkBatchVerifyProfile,
     DSparkVerifyProfile,
     batch_profile_key,
-    load_or_measure_batch_verify_profile,
-    load_or_measure_verify_profile,
+    batch_verify_profile,
+    stored_drafter_dtype,
     verify_profile_key,
 )
 from .scheduling_dspark import (
@@ -43,6 +44,8 @@ from .scheduling_dspark import (
     DSparkPromptLookup,
     draft_schedule,
 )
+
+logger = logging.get_logger(__name__)
 
 # ------------------------------------------------------------------------------------------------------------------
 # Drafting settings and the state kept between generate calls
@@ -61,6 +64,7 @@ class DSparkDraftingSettings:
     lookahead: bool = True  # `dspark_lookahead`: greedy rounds may choose k after seeing the whole block
     lookup_ngram_size: int = 0  # `dspark_lookup_ngram_size`: longest n-gram prompt lookup matches (0: off)
     min_gain: float = 1.0  # `dspark_min_gain`: how many times a plain step's rate a drafted round must promise
+    drafter_dtype: str = "auto"  # `dspark_drafter_dtype`: "auto" (as `dspark-hf profile` measured), "as-loaded", a dtype
 
     @classmethod
     def from_drafter(cls, drafter) -> "DSparkDraftingSettings":
@@ -84,7 +88,30 @@ class DSparkDraftingSettings:
             lookahead=knob("dspark_lookahead", True) is not False,
             lookup_ngram_size=_checked_lookup_size(knob("dspark_lookup_ngram_size", None)),
             min_gain=_checked_min_gain(knob("dspark_min_gain", None)),
+            drafter_dtype=_checked_drafter_dtype(knob("dspark_drafter_dtype", None)),
         )
+
+
+DRAFTER_DTYPES = ("auto", "as-loaded", "float32", "bfloat16", "float16")
+
+
+def _checked_drafter_dtype(value) -> str:
+    if value not in (None, *DRAFTER_DTYPES):
+        raise ValueError(f"dspark_drafter_dtype={value!r} is not a choice; use \"auto\" (the dtype `dspark-hf profile "
+                         "--drafter` measured fastest here, else as loaded), \"as-loaded\" or a dtype name.")
+    return value or "auto"
+
+
+def prepare_drafter(drafter, target: PreTrainedModel, settings: "DSparkDraftingSettings") -> None:
+    """Fit the drafter to the target (`attach_to`) and run it in the dtype that pays here: `dspark_drafter_dtype`, or
+    with "auto" the one `dspark-hf profile --drafter` measured fastest for this target, device (with its ISA) and dtype
+    (where bf16 matmuls are emulated the dtypes differ by up to 1.6×); never measured on the call."""
+    drafter.attach_to(target)
+    wanted = stored_drafter_dtype(target) if settings.drafter_dtype == "auto" else settings.drafter_dtype
+    if wanted in (None, "as-loaded") or str(next(drafter.parameters()).dtype) == f"torch.{wanted}":
+        return
+    drafter.to(getattr(torch, wanted))
+    logger.warning_once(f"DSpark runs the drafter in {wanted} on this machine (dspark_drafter_dtype={settings.drafter_dtype}).")
 
 
 def _checked_lookup_size(size) -> int:
@@ -107,29 +134,35 @@ class DSparkDraftingState:
     """Everything a drafter keeps from one generate call to the next: `drafter.drafting_state`.
 
     Clear `confidence_bias` and `lookup_counts` to start learning over (e.g. after switching to another kind of
-    prompt); set `verify_profile` to price rounds with a profile of your own (left None, the stored one is used).
+    prompt); set `verify_profile` to price rounds with a profile of your own, as given (left None, rounds are priced
+    by `live_verify_profile`: the stored measured shape, refined by every round).
     """
 
     confidence_bias: dict[tuple, float] = field(default_factory=dict)  # hardware schedule's online bias per setting
     lookup_counts: dict[tuple, dict[int, list[float]]] = field(default_factory=dict)  # prompt-lookup outcomes
     verify_profile: DSparkVerifyProfile | None = None
+    live_verify_profile: DSparkLiveVerifyProfile | None = None  # t(k) as this process's rounds priced it
     batch_verify_profile: DSparkBatchVerifyProfile | None = None  # t(B, w), the same for batched generation
     batch_round_factors: dict[tuple, dict] = field(default_factory=dict)  # live cost of batch rounds per setting
     last_stats: "DSparkGenerationStats | None" = None  # what the last generate call did
     bound_target: str | None = None  # the target whose embeddings `bind_target` copied
 
-    def verify_profile_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkVerifyProfile:
-        """The profile set here if it belongs to this target, device, dtype and torch; else the stored one (measured
-        on first use)."""
-        if self.verify_profile is not None and self.verify_profile.key == verify_profile_key(target):
-            return self.verify_profile
-        return load_or_measure_verify_profile(target, max_drafts)
+    def verify_profile_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkLiveVerifyProfile:
+        """The live profile rounds are priced by, kept from call to call: the profile set here if it belongs to this
+        target, device, dtype and torch, else the stored shape refined live; never measured on the call."""
+        key = verify_profile_key(target)
+        mine = self.verify_profile if self.verify_profile is not None and self.verify_profile.key == key else None
+        live = self.live_verify_profile
+        if live is None or live.key != key or live.max_drafts < max_drafts or (mine is not None and live.prior is not mine):
+            live = self.live_verify_profile = live_verify_profile(target, max_drafts, given=mine)
+        return live
 
     def batch_verify_profile_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkBatchVerifyProfile:
-        """As `verify_profile_for`, for the batch axis t(B, w)."""
+        """The batch axis t(B, w): the profile set here if it is this target's, else the stored one or the prior shape
+        (never measured on the call; the batch width schedule learns the level live)."""
         if self.batch_verify_profile is not None and self.batch_verify_profile.key == batch_profile_key(target):
             return self.batch_verify_profile
-        return load_or_measure_batch_verify_profile(target, max_drafts)
+        return batch_verify_profile(target, max_drafts)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -245,7 +278,7 @@ def decoding_key(target: PreTrainedModel, generation_config: GenerationConfig) -
 
 def make_schedule(drafter, target: PreTrainedModel, settings: DSparkDraftingSettings, do_sample: bool) -> DSparkDraftSchedule:
     """The schedule the settings ask for: threshold / verify cost when set; else the hardware-aware schedule, priced
-    by the target's verify profile (measured on first use); else fixed length."""
+    by the target's live verify profile (learned from the rounds themselves); else fixed length."""
     if not settings.hardware:
         return draft_schedule(settings.confidence_threshold, settings.verify_cost)
     profile = drafter.drafting_state.verify_profile_for(target, settings.num_drafts)
@@ -276,13 +309,13 @@ class DSparkCandidateGenerator(CandidateGenerator):
     ):
         check_generation_limits(generation_config, batch_size=input_ids.shape[0])
         self.drafter, self.state = drafter, drafter.drafting_state
-        drafter.attach_to(target)
+        self.settings = DSparkDraftingSettings.from_drafter(drafter)
+        prepare_drafter(drafter, target, self.settings)
         self.aux_layer_ids = list(drafter.config.aux_hidden_state_layer_ids)
         # Ask the verify pass for exactly the aux layers; a user asking for all hidden states gets them all.
         wants_all = generation_config.output_hidden_states and generation_config.return_dict_in_generate
         self.model_kwargs_overrides = {"output_hidden_states": True if wants_all else self.aux_layer_ids}
         self.do_sample = bool(generation_config.do_sample)
-        self.settings = DSparkDraftingSettings.from_drafter(drafter)
         self.num_drafts = self.settings.num_drafts
         self.schedule = make_schedule(drafter, target, self.settings, self.do_sample)
         self.bias_key = decoding_key(target, generation_config)
