@@ -100,8 +100,8 @@ def format_report(report: dict[str, Any]) -> str:
             cells.append(f"{1e3 * times[k]:8.2f} ± {1e3 * spreads[k]:6.2f} ({times[k] / times[0]:4.2f}×)".ljust(27))
         lines.append(f"{k:>3} | " + " | ".join(cells))
     if report["noisy"]:
-        lines.append("NOISY: the timings cannot rank k on this machine now; drafting falls back to the confidence "
-                     "threshold rule. Re-run on a quieter machine to use the hardware-aware schedule.")
+        lines.append("NOISY: these timings alone cannot rank k on this machine now; generation refines them from its "
+                     "own verify passes (the live profile). Re-run on a quieter machine for a cleaner starting shape.")
     lines.append(f"stored in {report['path']}")
     if "batch" in report:
         lines += format_batch_table(report["batch"])

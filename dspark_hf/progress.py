@@ -4,8 +4,8 @@ A bar redrawn with carriage returns is noise in a log file or a CI job, and sile
 hung gets killed. So when stderr is not a terminal, or with `--no-progress`, the same counts, rate and time left go
 out as one line every `interval_s()` seconds (`DSPARK_HF_PROGRESS_INTERVAL`, default 10), the first once the stage
 has run that long (a stage shorter than that stays quiet), and one more when it ends:
-  cache: 1,234/5,000 tok (312 tok/s, 12 s left)
-  cache: 5,000/5,000 tok in 16 s (312 tok/s)
+  cache: 1,234/5,000 tok (312.0 tok/s, 12 s left)
+  cache: 5,000/5,000 tok in 16 s (312.0 tok/s)
 A stage without counts (loading a model) says what it does once it has taken `NOTICE_S` seconds, and how long it
 took when it ends (`timed`).
 """
@@ -141,5 +141,5 @@ def timed(what: str, notice_s: float | None = None):
         print(f"{what} ... done in {duration(time.perf_counter() - started)}", file=sys.stderr, flush=True)
 
 
-__all__ = ["INTERVAL_ENV", "LogLines", "add_progress_argument", "close_all", "duration", "interactive", "interval_s", "log_line",
-           "progress", "timed"]
+__all__ = ["INTERVAL_ENV", "LogLines", "add_progress_argument", "close_all", "duration", "interactive", "interval_s",
+           "log_line", "progress", "timed"]

@@ -178,6 +178,7 @@ class _PromptRecorder:
 
 
 def test_regenerate_bounds_long_histories_and_reports_throughput(tiny, tokenizer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSPARK_HF_PROGRESS_INTERVAL", "0")  # captured stderr is no terminal: log lines, at once
     convs = [_long_chat(30)]
     recorder = _PromptRecorder(tiny, monkeypatch)
     out = tmp_path / "long.jsonl"
