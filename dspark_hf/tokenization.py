@@ -25,7 +25,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -202,17 +202,30 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int | Non
     return {key: value[:max_length] for key, value in sample.items()} if max_length is not None else sample
 
 
-def _tokenize_batch(batch: dict, tokenizer, max_length: int | None) -> dict:
-    """`datasets.map` body: a batch of conversations rendered once each, tokenized in one call."""
-    layout, markers = TemplateLayout.of(tokenizer), end_of_turn_strings(tokenizer)
-    rendered = [assistant_char_spans(tokenizer, messages, layout, markers) for messages in batch["messages"]]
-    encodings = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
-    ids, masks = [], []
-    for (_, spans), input_ids, offsets in zip(rendered, encodings["input_ids"], encodings["offset_mapping"]):
-        starts = np.array([s for s, _ in offsets], dtype=np.int64)
-        ids.append(np.asarray(input_ids, dtype=np.int64)[:max_length])
-        masks.append(loss_mask_of(starts, spans)[:max_length])
-    return {"input_ids": ids, "loss_mask": masks}
+@dataclass(frozen=True)
+class BatchTokenizer:
+    """What tokenizing a batch needs from the tokenizer, worked out once per process (the layout probe and the
+    vocabulary scan for end-of-turn tokens cost tens of milliseconds each)."""
+
+    tokenizer: Any
+    layout: TemplateLayout | None
+    markers: list[str]
+    max_length: int | None
+
+    @classmethod
+    def of(cls, tokenizer, max_length: int | None) -> "BatchTokenizer":
+        return cls(tokenizer, TemplateLayout.of(tokenizer), end_of_turn_strings(tokenizer), max_length)
+
+    def __call__(self, conversations: list[list[dict]]) -> dict:
+        """A batch of conversations rendered once each, tokenized in one call."""
+        rendered = [assistant_char_spans(self.tokenizer, messages, self.layout, self.markers) for messages in conversations]
+        encodings = self.tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+        ids, masks = [], []
+        for (_, spans), input_ids, offsets in zip(rendered, encodings["input_ids"], encodings["offset_mapping"]):
+            starts = np.array([s for s, _ in offsets], dtype=np.int64)
+            ids.append(np.asarray(input_ids, dtype=np.int64)[: self.max_length])
+            masks.append(loss_mask_of(starts, spans)[: self.max_length])
+        return {"input_ids": ids, "loss_mask": masks}
 
 
 # ------------------------------------------------------------------------------------------- the corpus, cached
@@ -249,20 +262,19 @@ def _num_proc(count: int, num_proc: int | None) -> int:
     return max(1, min(os.cpu_count() or 1, count // CONVERSATIONS_PER_PROCESS))
 
 
-_WORKER_TOKENIZER = None  # each worker process's copy of the tokenizer, set once by `_start_worker`
+_WORKER_BATCHES: BatchTokenizer | None = None  # each worker process's own, set once by `_start_worker`
 
 
-def _start_worker(tokenizer) -> None:
+def _start_worker(batches: BatchTokenizer) -> None:
     """A worker leaves Ctrl-C to the main process (which stops it), so one keypress prints one line, not one per
     process."""
-    global _WORKER_TOKENIZER
+    global _WORKER_BATCHES
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _WORKER_TOKENIZER = tokenizer
+    _WORKER_BATCHES = batches
 
 
-def _tokenize_in_worker(job: tuple[list, int | None]) -> dict:
-    messages, max_length = job
-    return _tokenize_batch({"messages": messages}, _WORKER_TOKENIZER, max_length)
+def _tokenize_in_worker(conversations: list[list[dict]]) -> dict:
+    return _WORKER_BATCHES(conversations)
 
 
 def _build(tokenizer, conversations: Sequence[Conversation], max_length: int | None, num_proc: int, progress: bool):
@@ -272,14 +284,14 @@ def _build(tokenizer, conversations: Sequence[Conversation], max_length: int | N
 
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                   "loss_mask": datasets.Sequence(datasets.Value("uint8"))})
-    jobs = [([conv["messages"] for conv in conversations[i : i + BATCH_SIZE]], max_length)
-            for i in range(0, len(conversations), BATCH_SIZE)]
+    jobs = [[conv["messages"] for conv in conversations[i : i + BATCH_SIZE]] for i in range(0, len(conversations), BATCH_SIZE)]
     columns = {"input_ids": [], "loss_mask": []}
-    pool = multiprocessing.get_context("fork").Pool(num_proc, _start_worker, (tokenizer,)) if num_proc > 1 else None
+    batches = BatchTokenizer.of(tokenizer, max_length)
+    pool = multiprocessing.get_context("fork").Pool(num_proc, _start_worker, (batches,)) if num_proc > 1 else None
     try:
-        results = pool.imap(_tokenize_in_worker, jobs) if pool else (_tokenize_batch({"messages": m}, tokenizer, n) for m, n in jobs)
+        results = pool.imap(_tokenize_in_worker, jobs) if pool else map(batches, jobs)
         with progress_bar(total=len(conversations), desc="tokenize", unit="conv", enabled=progress) as bar:
-            for (messages, _), result in zip(jobs, results):
+            for messages, result in zip(jobs, results):
                 for name in columns:
                     columns[name] += result[name]
                 bar.update(len(messages))

@@ -247,14 +247,19 @@ def _read_stored_profile(path: str, key: dict[str, str], kind: type = DSparkVeri
 
 def store_verify_profile(profile: DSparkVerifyProfile, path: str):
     """Write atomically; an unwritable cache home only loses the reuse, not the profile."""
+    _store_json(profile.to_dict(), path, "the verify profile")
+
+
+def _store_json(record: dict[str, Any], path: str, what: str) -> None:
+    """Write `record` under a temporary name, then rename; a failure costs one warning line."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         staging = f"{path}.{os.getpid()}.tmp"
         with open(staging, "w") as file:
-            json.dump(profile.to_dict(), file, indent=1)
+            json.dump(record, file, indent=1)
         os.replace(staging, path)
     except OSError as error:
-        logger.warning(f"DSpark could not store the verify profile at {path} ({error}); it will be measured again.")
+        logger.warning(f"DSpark could not store {what} at {path} ({error}); it is not kept for later processes.")
 
 
 
@@ -270,11 +275,7 @@ def store_drafter_dtype(target: PreTrainedModel, dtype: str, tokens_per_s: dict[
     path = drafter_dtype_path(target)
     record = {"format": DRAFTER_DTYPE_FORMAT, "key": verify_profile_key(target), "drafter_dtype": dtype,
               "tokens_per_s": tokens_per_s}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    staging = f"{path}.{os.getpid()}.tmp"
-    with open(staging, "w") as file:
-        json.dump(record, file, indent=1)
-    os.replace(staging, path)
+    _store_json(record, path, "the drafter dtype")
     return path
 
 
