@@ -243,7 +243,7 @@ def tokenized_key(tokenizer, conversations: Sequence[Conversation], max_length: 
 
 def _samples_of(dataset) -> list[Sample]:
     """One sample per row as views into the memory-mapped Arrow columns (no copy of the token ids)."""
-    table = dataset.data.table if hasattr(dataset.data, "table") else dataset.data
+    table = dataset.data.table  # `load_from_disk` maps the Arrow files
     columns = {}
     for name in ("input_ids", "loss_mask"):
         column = table.column(name).combine_chunks()

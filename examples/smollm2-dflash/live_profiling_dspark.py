@@ -62,8 +62,9 @@ class DSparkLiveVerifyProfile:
     frozen: bool = False  # priced by the prior as given (a profile the user set), nothing learned
 
     @classmethod
-    def fresh(cls, key, max_drafts: int, prior: DSparkVerifyProfile | None, path: str | None) -> "DSparkLiveVerifyProfile":
-        return cls(key, max_drafts, [None] * (max_drafts + 1), [0] * (max_drafts + 1), prior, path)
+    def fresh(cls, key, max_drafts: int, prior: DSparkVerifyProfile | None, path: str | None,
+              frozen: bool = False) -> "DSparkLiveVerifyProfile":
+        return cls(key, max_drafts, [None] * (max_drafts + 1), [0] * (max_drafts + 1), prior, path, frozen=frozen)
 
     @property
     def noisy(self) -> bool:
@@ -126,8 +127,7 @@ def live_verify_profile(target: PreTrainedModel, max_drafts: int,
     what earlier processes learned."""
     key = verify_profile_key(target)
     if given is not None:
-        return DSparkLiveVerifyProfile(key, given.max_drafts, [None] * (given.max_drafts + 1),
-                                       [0] * (given.max_drafts + 1), given, frozen=True)
+        return DSparkLiveVerifyProfile.fresh(key, given.max_drafts, given, None, frozen=True)
     prior = _read_stored_profile(verify_profile_path(key), key)
     live_key = {**key, "axis": "live"}
     path = verify_profile_path(live_key)

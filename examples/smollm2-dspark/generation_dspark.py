@@ -150,10 +150,10 @@ class DSparkDraftingState:
     def verify_profile_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkLiveVerifyProfile:
         """The live profile rounds are priced by, kept from call to call: the profile set here if it belongs to this
         target, device, dtype and torch, else the stored shape refined live; never measured on the call."""
-        key = verify_profile_key(target)
+        key, live = verify_profile_key(target), self.live_verify_profile
         mine = self.verify_profile if self.verify_profile is not None and self.verify_profile.key == key else None
-        live = self.live_verify_profile
-        if live is None or live.key != key or live.max_drafts < max_drafts or (mine is not None and live.prior is not mine):
+        if (live is None or live.key != key or live.max_drafts < max_drafts or live.frozen != (mine is not None)
+                or (mine is not None and live.prior is not mine)):  # stale, or not what the user set (or unset)
             live = self.live_verify_profile = live_verify_profile(target, max_drafts, given=mine)
         return live
 
