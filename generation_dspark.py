@@ -143,7 +143,7 @@ class DSparkDraftingState:
     verify_profile: DSparkVerifyProfile | None = None
     live_verify_profile: DSparkLiveVerifyProfile | None = None  # t(k) as this process's rounds priced it
     batch_verify_profile: DSparkBatchVerifyProfile | None = None  # t(B, w), the same for batched generation
-    batch_round_factors: dict[tuple, dict] = field(default_factory=dict)  # live cost of batch rounds per setting
+    batch_round_costs: dict[tuple, Any] = field(default_factory=dict)  # live cost of batch rounds per setting
     last_stats: "DSparkGenerationStats | None" = None  # what the last generate call did
     bound_target: str | None = None  # the target whose embeddings `bind_target` copied
 

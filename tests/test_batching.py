@@ -258,6 +258,60 @@ def test_hardware_width_grows_with_the_rows_survivals():
     assert chosen_width(schedule, [torch.full((8,), 0.9)] * 7) > chosen_width(schedule, [torch.full((8,), 0.4)] * 7)
 
 
+def test_live_costs_take_their_level_from_the_first_pass_and_price_an_untried_batch_size_by_its_neighbour():
+    """A prior profile is unitless: the first verify pass sets the level at once (not a running mean from 1 s). A
+    batch size that has only stepped plainly prices drafted rounds with the drafted / plain ratio of the nearest
+    batch size that did both, so a row leaving never makes drafting look many times dearer than it is."""
+    live = batch_widths_dspark.DSparkBatchRoundCosts()
+    live.observe_verify(0.05, 2.0)
+    assert live.scale == pytest.approx(0.025)
+    live.observe_round(4, False, 0.05, 0.05)
+    live.observe_round(4, True, 0.09, 0.06)
+    live.observe_round(8, False, 0.08, 0.1)
+    assert live.factor(8, False) == pytest.approx(0.8)
+    assert live.factor(8, True) == pytest.approx(0.8 * 1.5)
+    assert live.factor(32, False) == 1.0 and not live.timed_plain_step(32)
+
+
+def test_prior_batch_profile_prices_a_token_by_device_and_dtype():
+    """Without a stored table the shape follows the kind of machine: a bf16 pass is cheap per token where bf16 has
+    matmul units, dearer in fp32, dearest where bf16 is emulated, and almost free on an accelerator."""
+    from dspark_hf.remote_code.profiling_dspark import prior_batch_verify_profile
+
+    def widening(dtype, device="cpu", name="AMD EPYC (AVX512, bf16 native), 1 thread(s)"):
+        prior = prior_batch_verify_profile({"device": device, "device_name": name, "dtype": dtype}, 7)
+        return prior.verify_time(16, 7) / prior.verify_time(16, 0)
+
+    emulated = widening("bfloat16", name="AMD EPYC (AVX2, bf16 emulated), 1 thread(s)")
+    assert widening("float32", "cuda", "NVIDIA H200") < widening("bfloat16") < widening("float32") < emulated
+
+
+def test_a_noisy_stored_batch_profile_gives_way_to_the_prior(tmp_path, monkeypatch):
+    from dspark_hf.remote_code import profiling_dspark
+
+    target = make_tiny_target()
+    monkeypatch.setattr(profiling_dspark, "verify_profile_path", lambda key: str(tmp_path / "batch.json"))
+    measured = batch_profile(0.5)
+    measured.key = profiling_dspark.batch_profile_key(target)
+    profiling_dspark.store_verify_profile(measured, str(tmp_path / "batch.json"))
+    assert profiling_dspark.batch_verify_profile(target, 7).verify_time_s == measured.verify_time_s
+    measured.noisy = True
+    profiling_dspark.store_verify_profile(measured, str(tmp_path / "batch.json"))
+    assert profiling_dspark.batch_verify_profile(target, 7).verify_time_s != measured.verify_time_s
+
+
+def test_hardware_width_probes_again_when_a_row_leaves():
+    """The back-off after plain steps belongs to one batch size: when a row finishes, what pays has changed."""
+    schedule = batch_widths_dspark.DSparkBatchHardwareWidth(batch_profile(3.0), 7)
+    for size in (8, 7):
+        schedule.live.observe_round(size, False, 1.0, 1.0)
+    schedule.batch_size = 8
+    schedule.should_skip()
+    assert chosen_width(schedule, [torch.full((8,), 0.9)] * 7) == 0 and schedule.should_skip()
+    schedule.batch_size = 7
+    assert not schedule.should_skip()
+
+
 def test_threshold_and_verify_cost_widths_follow_the_rows():
     threshold = batch_widths_dspark.DSparkBatchThresholdWidth(0.5)
     rows = [torch.tensor([0.9, 0.3])] * 7  # the first row's survival 0.9^n falls below 0.5 after five drafts

@@ -84,36 +84,74 @@ class DSparkBatchVerifyCostWidth(DSparkBatchThresholdWidth):
         return True
 
 
+def smoothed(old: float | None, new: float, weight: float = DSparkHardwareAwareSchedule.smoothing) -> float:
+    """A running mean that gives the newest observation `weight` (the first one is taken as it is)."""
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+class DSparkBatchRoundCosts:
+    """What batched rounds really cost, learned live and shared by the calls of one decoding setting.
+
+    `scale`: seconds per unit of the profile's t(B, w) (a prior profile is unitless), set by the first verify pass
+    and then followed (contexts grow, machines drift). `factors[(B, drafted)]`: by how much whole rounds of batch
+    size B, plain or drafted, exceed that model (the drafter's time and the loop included). A drafted round of a
+    batch size that has only stepped plainly is priced with the drafted / plain ratio of the nearest batch size that
+    has done both, so one expensive guess never keeps a batch size from ever drafting."""
+
+    def __init__(self):
+        self.scale: float | None = None
+        self.factors: dict[tuple[int, bool], float] = {}
+
+    def observe_verify(self, seconds: float, profiled: float) -> None:
+        if profiled > 0:
+            self.scale = smoothed(self.scale, seconds / profiled)
+
+    def observe_round(self, batch_size: int, drafted: bool, seconds: float, modelled: float) -> None:
+        key = (batch_size, drafted)
+        self.factors[key] = smoothed(self.factors.get(key), seconds / modelled)
+
+    def factor(self, batch_size: int, drafted: bool) -> float:
+        if (batch_size, drafted) in self.factors:
+            return self.factors[batch_size, drafted]
+        plain = self.factors.get((batch_size, False), 1.0)
+        if not drafted:
+            return plain
+        both = [b for b in {b for b, _ in self.factors} if (b, True) in self.factors and (b, False) in self.factors]
+        if not both:
+            return plain
+        nearest = min(both, key=lambda b: (abs(math.log(b / batch_size)), b))
+        return plain * self.factors[nearest, True] / self.factors[nearest, False]
+
+    def timed_plain_step(self, batch_size: int) -> bool:
+        return (batch_size, False) in self.factors
+
+
 class DSparkBatchHardwareWidth(DSparkBatchWidth):
     """The DSpark paper's batch scheduler: the width w maximising Σ_rows (1 + Σ_{n≤w} a_{i,n}) / cost(B, w), with
     cost(B, w) = t(B, w) + the drafter's time (× `min_gain`) and cost(B, 0) = t(B, 0), a plain batched step (after
-    which the drafter rests: back-off). As the batch-1 schedule: the later survivals are projected geometrically when
-    sampling, greedy decoding looks at the whole block (`lookahead`), and confidences get an online logit bias.
+    which the drafter rests: back-off, restarted whenever a row leaves). As the batch-1 schedule: the later survivals
+    are projected geometrically when sampling, greedy decoding looks at the whole block (`lookahead`), and
+    confidences get an online logit bias.
 
-    Rounds are priced by what they cost live, in two classes per batch size B: plain steps and drafted rounds each
-    get the factor by which their whole rounds (drafting included) exceed the model above, t(B, w) rescaled by how
-    fast verify passes run now (contexts grow, machines drift). The profile keeps the shape across widths, the live
-    factors the level of drafting against plain steps. A batch size whose plain step was never timed takes one plain
-    step first. `round_factors` may be shared between calls (the batch loop keeps them on the drafter per decoding
-    setting)."""
+    Rounds are priced by what they cost live (`DSparkBatchRoundCosts`): the profile keeps the shape across widths,
+    the live scale its level in seconds, and a factor per batch size and class (plain or drafted) the rest. A batch
+    size whose plain step was never timed takes one plain step first. `live` may be shared between calls (the batch
+    loop keeps one on the drafter per decoding setting)."""
 
     prices_rounds = True
-    smoothing = DSparkHardwareAwareSchedule.smoothing
     recalibration_rate = DSparkHardwareAwareSchedule.recalibration_rate
     max_bias = DSparkHardwareAwareSchedule.max_bias
-    fallback_threshold = DSparkHardwareAwareSchedule.fallback_threshold
 
     def __init__(self, profile, max_drafts: int, min_gain: float = 1.0, lookahead: bool = False,
-                 round_factors: dict | None = None):
+                 live: DSparkBatchRoundCosts | None = None):
         self.profile, self.min_gain, self.lookahead = profile, min_gain, lookahead
         self.max_drafts = min(max_drafts, profile.max_drafts)
         self.draft_time_s: dict[int, float] = {}  # the drafter's time per round, by batch size
-        self.verify_scale = 1.0
-        self.round_factors = {} if round_factors is None else round_factors  # (B, w) -> live round / profiled
-        self.backoff = DSparkDrafterBackoff()
+        self.live = DSparkBatchRoundCosts() if live is None else live
+        self.backoff, self.backoff_batch_size = DSparkDrafterBackoff(), None
 
     def _profiled(self, width: int, batch_size: int | None = None) -> float:
-        return self.verify_scale * self.profile.verify_time(batch_size or self.batch_size, width)
+        return (self.live.scale or 1.0) * self.profile.verify_time(batch_size or self.batch_size, width)
 
     def _modelled(self, width: int, batch_size: int) -> float:
         """A round's seconds as the profile and the drafter's running time say (before the live factor)."""
@@ -122,7 +160,7 @@ class DSparkBatchHardwareWidth(DSparkBatchWidth):
         return self._profiled(width, batch_size) + self.draft_time_s.get(batch_size, 0.0)
 
     def cost(self, width: int) -> float:
-        factor = self.round_factors.get((self.batch_size, width > 0), 1.0)
+        factor = self.live.factor(self.batch_size, width > 0)
         return factor * self._modelled(width, self.batch_size) * (self.min_gain if width else 1.0)
 
     def start(self) -> None:
@@ -137,9 +175,7 @@ class DSparkBatchHardwareWidth(DSparkBatchWidth):
             return False
         confidences = torch.sigmoid(torch.logit(confidences.double().clamp(1e-6, 1 - 1e-6)) + self.bias)
         survival = self._next_survival(confidences)
-        if self.profile.noisy:
-            admitted = bool((survival >= self.fallback_threshold).any())
-        elif self.lookahead:  # draft on while even certain later drafts could beat the best stop so far
+        if self.lookahead:  # draft on while even certain later drafts could beat the best stop so far
             best = max(e / c for e, c in zip(self._expected, self._costs))
             admitted = self._best_from(n, survival, torch.ones_like(survival)) > best
         else:
@@ -160,32 +196,27 @@ class DSparkBatchHardwareWidth(DSparkBatchWidth):
 
     def finish(self, num_drafted: int) -> int:
         width = num_drafted
-        if self.lookahead and not self.profile.noisy:
+        if self.lookahead:
             width = max(range(num_drafted + 1), key=lambda k: self._expected[k] / self._costs[k])
         self.survivals, self._admitted = self.survivals[:width], self._admitted[:width]
         self.backoff.record(width)
         return width
 
     def should_skip(self) -> bool:
-        if (self.batch_size, False) not in self.round_factors:  # time this batch size's plain step first
+        if not self.live.timed_plain_step(self.batch_size):  # time this batch size's plain step first
             return True
+        if self.batch_size != self.backoff_batch_size:  # a row left: what pays has changed, so probe again
+            self.backoff, self.backoff_batch_size = DSparkDrafterBackoff(), self.batch_size
         return self.backoff.should_skip()
 
     def observe_round(self, counts, accepted, batch_size: int, drafter_ran: bool, draft_s: float, verify_s: float) -> None:
         width = int(counts.max()) if counts.numel() else 0
         if drafter_ran:
-            self.draft_time_s[batch_size] = self._smooth(self.draft_time_s.get(batch_size), draft_s)
-        profiled = self.profile.verify_time(batch_size, width)
-        if profiled > 0:
-            self.verify_scale = self._smooth(self.verify_scale, verify_s / profiled)
+            self.draft_time_s[batch_size] = smoothed(self.draft_time_s.get(batch_size), draft_s)
+        self.live.observe_verify(verify_s, self.profile.verify_time(batch_size, width))
         if width > 0 or not drafter_ran:  # a drafted round, or a plain step (not a round whose drafts were refused)
-            key = (batch_size, width > 0)
-            factor = (draft_s + verify_s) / self._modelled(width, batch_size)
-            self.round_factors[key] = self._smooth(self.round_factors.get(key), factor)
+            self.live.observe_round(batch_size, width > 0, draft_s + verify_s, self._modelled(width, batch_size))
         self._recalibrate(counts, accepted)
-
-    def _smooth(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
     def _recalibrate(self, counts: torch.Tensor, accepted: torch.Tensor) -> None:
         """Every draft verification reached is one outcome of its recalibrated c_n: the batch-1 schedule's SGD step per
@@ -201,4 +232,4 @@ class DSparkBatchHardwareWidth(DSparkBatchWidth):
         self.bias = min(max(self.bias, -self.max_bias), self.max_bias)
 
 
-__all__ = ["DSparkBatchHardwareWidth", "DSparkBatchThresholdWidth", "DSparkBatchVerifyCostWidth", "DSparkBatchWidth"]
+__all__ = ["DSparkBatchHardwareWidth", "DSparkBatchRoundCosts", "DSparkBatchThresholdWidth", "DSparkBatchVerifyCostWidth", "DSparkBatchWidth"]

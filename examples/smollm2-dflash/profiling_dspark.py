@@ -299,7 +299,10 @@ BATCH_PROFILE_SIZES = (1, 4, 16)  # batch sizes measured; others are interpolate
 BATCH_PROFILE_WIDTHS = (0, 1, 3, 7)  # widths measured (capped at the drafter's block); others are interpolated
 BATCH_PROFILE_CONTEXT = 64  # short: a batch's prefill of long contexts would cost more than the timings
 BATCH_PROFILE_REPEATS = 2
-PRIOR_TOKEN_SLOPE = 0.03  # the prior t(B, w): each token of a pass costs this fraction of a one-token step
+# The prior t(B, w): each token of a pass costs this fraction of a one-token step. Measured on a 2-core EPYC (1
+# thread): 0.016-0.02 in bf16 with bf16 matmul units, 0.037-0.04 in fp32, and 0.4 at batch 1 in bf16 without the
+# units (AVX2-capped: bf16 is converted for every matmul); an accelerator's pass stays memory-bound far longer.
+PRIOR_TOKEN_SLOPES = {"bf16 native": 0.02, "fp32": 0.04, "half emulated": 0.4, "accelerator": 0.005}
 
 
 @dataclass
@@ -374,20 +377,32 @@ def batch_profile_key(target: PreTrainedModel) -> dict[str, str]:
 
 
 def batch_verify_profile(target: PreTrainedModel, max_drafts: int) -> DSparkBatchVerifyProfile:
-    """The stored batch profile for this target, device, dtype and torch (`dspark-hf profile --batch-sizes`), else
-    the prior shape (never measured on the call): the batch width schedule learns the level live either way."""
+    """The stored batch profile for this target, device, dtype and torch (`dspark-hf profile --batch-sizes`) unless
+    it was too noisy, else the prior shape (never measured on the call): the batch width schedule learns the level
+    live either way."""
     key = batch_profile_key(target)
     profile = _read_stored_profile(verify_profile_path(key), key, DSparkBatchVerifyProfile)
-    if profile is None or profile.max_drafts < max_drafts:
+    if profile is None or profile.noisy or profile.max_drafts < max_drafts:  # a noisy table would mislead the shape
         profile = prior_batch_verify_profile(key, max_drafts)
     return profile
 
 
+def prior_token_slope(key: dict[str, str]) -> float:
+    """The prior's cost of one more token in a pass, for the device and dtype of the key (PRIOR_TOKEN_SLOPES)."""
+    if key["device"] != "cpu":
+        return PRIOR_TOKEN_SLOPES["accelerator"]
+    if key["dtype"] == "float32":
+        return PRIOR_TOKEN_SLOPES["fp32"]
+    native = key["dtype"] == "bfloat16" and "bf16 native" in key["device_name"]
+    return PRIOR_TOKEN_SLOPES["bf16 native" if native else "half emulated"]
+
+
 def prior_batch_verify_profile(key: dict[str, str], max_drafts: int) -> DSparkBatchVerifyProfile:
-    """t(B, w) ∝ 1 + PRIOR_TOKEN_SLOPE · (B(w + 1) − 1): a pass costs a fixed part plus a part per token (on a
-    2-core CPU the measured slope is 0.016–0.037 of a one-token step per token, bf16 to fp32)."""
+    """t(B, w) ∝ 1 + slope · (B(w + 1) − 1): a pass costs a fixed part plus a part per token, the slope as measured
+    for this kind of device and dtype (`prior_token_slope`); the batch width schedule learns the level live."""
     widths = sorted({min(w, max_drafts) for w in BATCH_PROFILE_WIDTHS} | {max_drafts})
-    times = [[1.0 + PRIOR_TOKEN_SLOPE * (size * (width + 1) - 1) for width in widths] for size in BATCH_PROFILE_SIZES]
+    slope = prior_token_slope(key)
+    times = [[1.0 + slope * (size * (width + 1) - 1) for width in widths] for size in BATCH_PROFILE_SIZES]
     return DSparkBatchVerifyProfile(key, list(BATCH_PROFILE_SIZES), widths, BATCH_PROFILE_CONTEXT, times,
                                     [[0.0] * len(widths) for _ in times])
 

@@ -36,6 +36,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch_widths_dspark import (
     DSparkBatchHardwareWidth,
+    DSparkBatchRoundCosts,
     DSparkBatchThresholdWidth,
     DSparkBatchVerifyCostWidth,
     DSparkBatchWidth,
@@ -111,7 +112,7 @@ def batch_width_schedule(drafter, target: PreTrainedModel, settings: DSparkDraft
     state = drafter.drafting_state
     profile = state.batch_verify_profile_for(target, settings.num_drafts)
     return DSparkBatchHardwareWidth(profile, settings.num_drafts, settings.min_gain, settings.lookahead and not do_sample,
-                                    round_factors=state.batch_round_factors.setdefault(key, {}))
+                                    live=state.batch_round_costs.setdefault(key, DSparkBatchRoundCosts()))
 
 
 class DSparkBatchRows:
