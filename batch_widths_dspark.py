@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .scheduling_dspark import DSparkDrafterBackoff, DSparkHardwareAwareSchedule
+from .scheduling_dspark import DSparkDrafterBackoff, DSparkHardwareAwareSchedule, smoothed
 
 
 class DSparkBatchWidth:
@@ -84,9 +84,7 @@ class DSparkBatchVerifyCostWidth(DSparkBatchThresholdWidth):
         return True
 
 
-def smoothed(old: float | None, new: float, weight: float = DSparkHardwareAwareSchedule.smoothing) -> float:
-    """A running mean that gives the newest observation `weight` (the first one is taken as it is)."""
-    return new if old is None else (1 - weight) * old + weight * new
+SMOOTHING = DSparkHardwareAwareSchedule.smoothing  # weight of the newest observation in every live cost
 
 
 class DSparkBatchRoundCosts:
@@ -104,11 +102,11 @@ class DSparkBatchRoundCosts:
 
     def observe_verify(self, seconds: float, profiled: float) -> None:
         if profiled > 0:
-            self.scale = smoothed(self.scale, seconds / profiled)
+            self.scale = smoothed(self.scale, seconds / profiled, SMOOTHING)
 
     def observe_round(self, batch_size: int, drafted: bool, seconds: float, modelled: float) -> None:
         key = (batch_size, drafted)
-        self.factors[key] = smoothed(self.factors.get(key), seconds / modelled)
+        self.factors[key] = smoothed(self.factors.get(key), seconds / modelled, SMOOTHING)
 
     def factor(self, batch_size: int, drafted: bool) -> float:
         if (batch_size, drafted) in self.factors:
@@ -212,7 +210,7 @@ class DSparkBatchHardwareWidth(DSparkBatchWidth):
     def observe_round(self, counts, accepted, batch_size: int, drafter_ran: bool, draft_s: float, verify_s: float) -> None:
         width = int(counts.max()) if counts.numel() else 0
         if drafter_ran:
-            self.draft_time_s[batch_size] = smoothed(self.draft_time_s.get(batch_size), draft_s)
+            self.draft_time_s[batch_size] = smoothed(self.draft_time_s.get(batch_size), draft_s, SMOOTHING)
         self.live.observe_verify(verify_s, self.profile.verify_time(batch_size, width))
         if width > 0 or not drafter_ran:  # a drafted round, or a plain step (not a round whose drafts were refused)
             self.live.observe_round(batch_size, width > 0, draft_s + verify_s, self._modelled(width, batch_size))

@@ -102,6 +102,11 @@ def draft_schedule(confidence_threshold: float | None = None, verify_cost: float
     return DSparkDraftSchedule()
 
 
+def smoothed(old: float | None, new: float, weight: float) -> float:
+    """A running mean that gives the newest observation `weight` (the first one is taken as it is)."""
+    return new if old is None else (1 - weight) * old + weight * new
+
+
 class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
     """Drafts the k maximising expected committed tokens per second, (1 + Σ_{n≤k} a_n) / (t(k) + draft time).
 
@@ -157,7 +162,7 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         self.start()
 
     def observe_draft_time(self, seconds: float):
-        self.draft_time_s = seconds if self.draft_time_s is None else self._smooth(self.draft_time_s, seconds)
+        self.draft_time_s = smoothed(self.draft_time_s, seconds, self.smoothing)
 
     def observe_verify_time(self, num_drafts: int, context_length: int, seconds: float):
         """A live verify round of k drafts: the live profile learns what rounds of k really cost here."""
@@ -171,9 +176,6 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
             self.bias += self.recalibration_rate * (float(n <= num_accepted) - predicted)
         self.bias = min(max(self.bias, -self.max_bias), self.max_bias)
         return sum(reached), min(num_accepted, len(reached)), len(reached)
-
-    def _smooth(self, old: float, new: float) -> float:
-        return (1 - self.smoothing) * old + self.smoothing * new
 
     def _recalibrated(self, confidence: float) -> float:
         confidence = min(max(confidence, 1e-6), 1 - 1e-6)
