@@ -14,6 +14,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Verify-cost profiles (the hardware-aware schedule measures one on first use) go to a fresh Hugging Face home per
 # test process, so tests never read or leave one in the user's cache.
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="dspark-hf-test-home-")
+# A suite started in the background (`make test &`) inherits SIGINT ignored, and so would every command it starts:
+# the tests that press Ctrl-C need commands that can hear it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import psutil
 import pytest
