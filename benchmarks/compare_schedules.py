@@ -4,7 +4,7 @@ Every variant is its own copy of the drafter (the online confidence bias and loo
 the bench's order (domain → mode → repetition → prompt → variant, the variant order rotated each repetition). Per
 cell: whole-call ratio to plain / decode ratio (after the first token; see `dspark-hf bench`), drafts per round and
 the share of rounds that verified prompt-lookup drafts. A variant is `NAME=KEY:VALUE,KEY:VALUE` of drafter
-generation_config settings (`dspark_` prefix implied), e.g.
+generation_config settings (`dspark_` prefix implied, except transformers' own `num_assistant_tokens`), e.g.
 
     PYTHONPATH=. python benchmarks/compare_schedules.py --dtype float32 \\
         "left-to-right=lookahead:false,lookup_ngram_size:0" "shipped="
@@ -33,6 +33,9 @@ from dspark_hf.timing import timed_generation
 DOMAINS = ["chitchat", "wordnet-nouns", "stdlib-explain", "chitchat-long:test:6", "humaneval:all"]
 
 
+TRANSFORMERS_KEYS = ("num_assistant_tokens",)  # transformers' own assistant settings, named as they are
+
+
 def parse_variant(spec: str) -> tuple[str, str | None, dict]:
     """(name, checkpoint directory or None, generation_config settings) of `NAME[@DIR]=KEY:VALUE,...`."""
     name, _, settings = spec.partition("=")
@@ -40,7 +43,7 @@ def parse_variant(spec: str) -> tuple[str, str | None, dict]:
     parsed = {}
     for item in filter(None, settings.split(",")):
         key, _, value = item.partition(":")
-        parsed[f"dspark_{key}"] = json.loads(value)
+        parsed[key if key in TRANSFORMERS_KEYS else f"dspark_{key}"] = json.loads(value)
     return name, directory or None, parsed
 
 
