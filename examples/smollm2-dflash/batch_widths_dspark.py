@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from .scheduling_dspark import DSparkDrafterBackoff, DSparkHardwareAwareSchedule, smoothed
+from .live_profiling_dspark import smoothed
+from .scheduling_dspark import DSparkDrafterBackoff, DSparkHardwareAwareSchedule
 
 
 class DSparkBatchWidth:
@@ -114,7 +115,7 @@ class DSparkBatchRoundCosts:
         plain = self.factors.get((batch_size, False), 1.0)
         if not drafted:
             return plain
-        both = [b for b in {b for b, _ in self.factors} if (b, True) in self.factors and (b, False) in self.factors]
+        both = [b for b, drafted in self.factors if drafted and (b, False) in self.factors]
         if not both:
             return plain
         nearest = min(both, key=lambda b: (abs(math.log(b / batch_size)), b))

@@ -37,6 +37,11 @@ LIVE_WEIGHT = 0.2  # weight of the newest pass once a k has been seen 1/LIVE_WEI
 STORE_EVERY = 32  # passes between writes of what was learned
 
 
+def smoothed(old: float | None, new: float, weight: float) -> float:
+    """A running mean that gives the newest observation `weight` (the first one is taken as it is)."""
+    return new if old is None else (1 - weight) * old + weight * new
+
+
 def _signature(profile: DSparkVerifyProfile | None) -> str:
     if profile is None:
         return "none"
@@ -97,8 +102,7 @@ class DSparkLiveVerifyProfile:
             return
         self.counts[k] += 1
         weight = max(1.0 / self.counts[k], LIVE_WEIGHT)
-        old = self.ratios[k]
-        self.ratios[k] = seconds / shape if old is None else (1 - weight) * old + weight * seconds / shape
+        self.ratios[k] = smoothed(self.ratios[k], seconds / shape, weight)
         self.unsaved += 1
         if self.unsaved >= STORE_EVERY and self.path is not None:
             store_verify_profile(self, self.path)
@@ -141,4 +145,4 @@ def live_verify_profile(target: PreTrainedModel, max_drafts: int,
     return live
 
 
-__all__ = ["DSparkLiveVerifyProfile", "live_verify_profile"]
+__all__ = ["DSparkLiveVerifyProfile", "live_verify_profile", "smoothed"]

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .live_profiling_dspark import DSparkLiveVerifyProfile
+from .live_profiling_dspark import DSparkLiveVerifyProfile, smoothed
 
 
 class DSparkDraftSchedule:
@@ -100,11 +100,6 @@ def draft_schedule(confidence_threshold: float | None = None, verify_cost: float
     if confidence_threshold is not None:
         return DSparkThresholdSchedule(confidence_threshold)
     return DSparkDraftSchedule()
-
-
-def smoothed(old: float | None, new: float, weight: float) -> float:
-    """A running mean that gives the newest observation `weight` (the first one is taken as it is)."""
-    return new if old is None else (1 - weight) * old + weight * new
 
 
 class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
