@@ -158,6 +158,46 @@ class DSparkBatchRows:
         self.mask = self.mask.gather(1, order)
 
 
+class DSparkBatchIds:
+    """Every row's ids as plain batched `generate` holds them (its padded prompt, then its tokens) in one tensor, row r
+    at index r. Processors and stopping criteria are called on `columns(n)`, the whole batch's first n ids, exactly as
+    plain generate calls them once its rows are n long, so a criterion or processor that reads a row's batch index
+    (`prefix_allowed_tokens_fn`) sees the right one; only the rows that are n long read what that call returns. A
+    call per length, not per row and slot, and a view, not a copy, keeps ids-reading processors cheap."""
+
+    def __init__(self, prompt: torch.LongTensor):
+        self.prompt_length = prompt.shape[1]
+        self.tokens = prompt.clone()
+        self.lengths = [self.prompt_length] * prompt.shape[0]
+
+    def new_tokens(self, row: int) -> int:
+        return self.lengths[row] - self.prompt_length
+
+    def columns(self, length: int) -> torch.LongTensor:
+        return self.tokens[:, :length]
+
+    def append(self, row: int, tokens: list[int]):
+        start = self.lengths[row]
+        self._reserve(start + len(tokens))
+        self.tokens[row, start : start + len(tokens)] = self.tokens.new_tensor(tokens)
+        self.lengths[row] = start + len(tokens)
+
+    def truncate(self, row: int, length: int):
+        self.lengths[row] = length
+
+    def stage(self, rows: torch.LongTensor, drafts: torch.LongTensor):
+        """Write each row's drafts (a, w) after its tokens without counting them: slot j then reads the row's tokens
+        and its first j drafts as `columns(length + j)`."""
+        starts = torch.tensor([self.lengths[r] for r in rows.tolist()], device=self.tokens.device)
+        self._reserve(int(starts.max()) + drafts.shape[1])
+        self.tokens[rows[:, None], starts[:, None] + torch.arange(drafts.shape[1], device=starts.device)] = drafts
+
+    def _reserve(self, length: int):
+        if length > self.tokens.shape[1]:
+            grown = max(length, 2 * self.tokens.shape[1])
+            self.tokens = torch.cat([self.tokens, self.tokens.new_zeros((self.tokens.shape[0], grown - self.tokens.shape[1]))], 1)
+
+
 class DSparkBatchGeneration:
     """One batched `generate` call with a DSpark drafter (see the module docstring)."""
 
@@ -187,7 +227,7 @@ class DSparkBatchGeneration:
     def generate(self, input_ids: torch.LongTensor):
         """Generate every row to its end; the output has plain `generate`'s layout."""
         self.prompt = input_ids
-        self.generated: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+        self.ids = DSparkBatchIds(input_ids)
         self.stopped_at: list[int | None] = [None] * input_ids.shape[0]  # tokens a row had when it stopped
         batch = self._prefill(input_ids)
         while batch.rows.numel():
@@ -243,7 +283,7 @@ class DSparkBatchGeneration:
 
     def _room(self, batch: DSparkBatchRows) -> torch.LongTensor:
         """Per row, how many drafts fit before max_length (the bonus token takes one place)."""
-        lengths = torch.tensor([len(self.generated[int(r)]) for r in batch.rows], device=batch.rows.device)
+        lengths = torch.tensor([self.ids.new_tokens(r) for r in batch.rows.tolist()], device=batch.rows.device)
         room = self.config.max_length - self.prompt.shape[1] - lengths - 1
         return room.clamp(min=0, max=self.settings.num_drafts)
 
@@ -270,26 +310,32 @@ class DSparkBatchGeneration:
         outputs = self.target(input_ids=ids, attention_mask=torch.cat([batch.mask, valid], dim=1),
                               position_ids=batch.next_position[:, None] + slots, cache=batch.target_cache,
                               use_cache=True, output_hidden_states=self.aux_layer_ids)
-        return self._processed(batch, ids, outputs.logits.float()), outputs
+        return self._processed(batch, ids, valid.bool(), outputs.logits.float()), outputs
 
-    def _processed(self, batch: DSparkBatchRows, ids: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
+    def _processed(self, batch: DSparkBatchRows, ids: torch.LongTensor, valid: torch.Tensor,
+                   logits: torch.Tensor) -> torch.Tensor:
         """The target's logits (a, w + 1, V) after the logits processors, slot j of row r seeing exactly the ids plain
-        batched generate would pass there (the row's padded prompt, its tokens, its drafts before j)."""
+        batched generate would pass there (the row's padded prompt, its tokens, its drafts before j): one call per
+        length among the verified slots (`valid`), on the whole batch at that length."""
         if not self.processors:
             return logits
         if self.batched_processors:  # probability-only warpers: every row alike, ids unread
             flat = logits.reshape(-1, logits.shape[-1])
             return self.processors(ids.reshape(-1, 1), flat).reshape(logits.shape)
-        for i, row in enumerate(batch.rows.tolist()):
-            sequence = self._sequence(row)
-            for j in range(ids.shape[1]):
-                prefix = torch.cat([sequence, ids[i, 1 : j + 1]])[None]
-                logits[i, j] = self.processors(prefix, logits[i, j][None])[0]
+        self.ids.stage(batch.rows, ids[:, 1:])
+        starts = torch.tensor([self.ids.lengths[r] for r in batch.rows.tolist()], device=ids.device)
+        lengths = starts[:, None] + torch.arange(ids.shape[1], device=ids.device)  # (a, w + 1) ids slot j reads
+        scores = logits.new_zeros((self.prompt.shape[0], logits.shape[-1]))  # rows of other lengths: read by no one
+        for length in lengths[valid].unique().tolist():
+            i, j = ((lengths == length) & valid).nonzero(as_tuple=True)
+            rows = batch.rows[i]
+            scores[rows] = logits[i, j]
+            logits[i, j] = self.processors(self.ids.columns(length), scores)[rows]
         return logits
 
     def _sequence(self, row: int) -> torch.LongTensor:
         """Row `row` as plain batched generate holds it: its padded prompt and every token committed since."""
-        return torch.cat([self.prompt[row], self.prompt.new_tensor(self.generated[row])])
+        return self.ids.tokens[row, : self.ids.lengths[row]]
 
     # -------------------------------------------------------------------------------------------------- acceptance
 
@@ -342,14 +388,22 @@ class DSparkBatchGeneration:
 
     def _commit(self, batch: DSparkBatchRows, committed: list[list[int]]):
         """Append each row's new tokens up to the first on which it stops (EOS, max length, stop strings, custom
-        criteria), then drop the rows that are done."""
+        criteria; asked once per length, shortest first, on the whole batch as plain generate asks), then drop the
+        rows that are done."""
+        checks: dict[int, list[int]] = {}  # length -> rows that reach it this round and have not stopped
         for row, tokens in zip(batch.rows.tolist(), committed):
-            for token in tokens:
-                self.generated[row].append(token)
-                if self.stopped_at[row] is None and bool(self.stopping_criteria(self._sequence(row)[None], None).any()):
-                    self.stopped_at[row] = len(self.generated[row])
+            start = self.ids.lengths[row]
+            self.ids.append(row, tokens)
+            if self.stopped_at[row] is None:
+                for length in range(start + 1, start + len(tokens) + 1):
+                    checks.setdefault(length, []).append(row)
+        for length in sorted(checks):
+            stops = self.stopping_criteria(self.ids.columns(length), None)
+            for row in checks[length]:
+                if self.stopped_at[row] is None and bool(stops[row]):
+                    self.stopped_at[row] = length - self.ids.prompt_length
                     if self.pads_finished:
-                        break
+                        self.ids.truncate(row, length)
         keep = torch.tensor([not self._done(row) for row in batch.rows.tolist()], device=batch.rows.device)
         if not bool(keep.all()):
             batch.keep(keep)
@@ -359,9 +413,9 @@ class DSparkBatchGeneration:
         or once every row has stopped and this one has reached the last stop."""
         if self.stopped_at[row] is None:
             return False
-        if self.pads_finished or self.prompt.shape[1] + len(self.generated[row]) >= self.config.max_length:
+        if self.pads_finished or self.ids.lengths[row] >= self.config.max_length:
             return True
-        return None not in self.stopped_at and len(self.generated[row]) >= max(self.stopped_at)
+        return None not in self.stopped_at and self.ids.new_tokens(row) >= max(self.stopped_at)
 
     def _record(self, counts, accepted, draft_s: float, verify_s: float):
         self.stats.widths.append(int(counts.max()) if counts.numel() else 0)
@@ -375,8 +429,9 @@ class DSparkBatchGeneration:
         pad = self.config._pad_token_tensor
         pad = int(pad) if pad is not None else 0
         longest = max(self.stopped_at)  # the step at which plain generate's last row stopped
-        rows = [tokens[:longest] + [pad] * (longest - len(tokens)) for tokens in self.generated]
-        sequences = torch.cat([self.prompt, self.prompt.new_tensor(rows)], dim=1)
+        sequences = self.ids.columns(self.ids.prompt_length + longest).clone()
+        for row, length in enumerate(self.ids.lengths):
+            sequences[row, length:] = pad
         if self.config.return_dict_in_generate:
             return GenerateDecoderOnlyOutput(sequences=sequences)
         return sequences

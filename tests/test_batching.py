@@ -46,7 +46,7 @@ def batch_oracle(monkeypatch):
         mask = self.model_kwargs["attention_mask"]
         rows = []
         for row in batch.rows.tolist():
-            sequence = self._sequence(row)[torch.cat([mask[row], mask.new_ones(len(self.generated[row]))]).bool()]
+            sequence = self._sequence(row)[torch.cat([mask[row], mask.new_ones(self.ids.new_tokens(row))]).bool()]
             tokens = target_greedy_continuation(self.target, sequence[None], room)[0] if room else sequence[:0]
             if settings["wrong_from"] is not None:
                 tokens[settings["wrong_from"]:] = (tokens[settings["wrong_from"]:] + 1) % self.target.config.vocab_size
@@ -105,6 +105,28 @@ def test_custom_stopping_criterion_and_min_new_tokens_end_rows_where_plain_gener
                        stopping_criteria=StoppingCriteriaList([StopAfterToken(token, width)]))
         expected = batched_greedy(target, batch, **options)
         assert torch.equal(batched_greedy(target, batch, assistant_model=drafter, **options), expected), token
+
+
+@pytest.mark.parametrize("wrong_from", [None, 1])
+def test_processors_that_read_ids_see_each_row_at_its_index_and_length(batch_oracle, wrong_from):
+    """Repetition penalty, no-repeat n-grams, min_new_tokens and a `prefix_allowed_tokens_fn` that reads the batch
+    index, over ragged rows (each row's ids at its own length, called once per length on the whole batch): the same
+    tensor as plain batched generate."""
+    batch_oracle["wrong_from"] = wrong_from
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, block_size=5)
+    batch = left_padded(PROMPTS)
+
+    def allowed(batch_id, ids):  # each row its own window of the vocabulary, moving with its length
+        start = (11 * batch_id + int(ids.shape[-1])) % 56
+        return list(range(start, start + 40))
+
+    for options in [dict(repetition_penalty=1.5, no_repeat_ngram_size=2, min_new_tokens=9, eos_token_id=7),
+                    dict(prefix_allowed_tokens_fn=allowed, eos_token_id=None),
+                    dict(prefix_allowed_tokens_fn=allowed, repetition_penalty=1.3, min_new_tokens=4, eos_token_id=62)]:
+        expected = batched_greedy(target, batch, max_new_tokens=17, **options)
+        out = batched_greedy(target, batch, max_new_tokens=17, assistant_model=drafter, **options)
+        assert torch.equal(out, expected), options.keys()
 
 
 def test_return_dict_in_generate_gives_the_same_sequences():
