@@ -161,9 +161,10 @@ class DSparkBatchRows:
 class DSparkBatchIds:
     """Every row's ids as plain batched `generate` holds them (its padded prompt, then its tokens) in one tensor, row r
     at index r. Processors and stopping criteria are called on `columns(n)`, the whole batch's first n ids, exactly as
-    plain generate calls them once its rows are n long, so a criterion or processor that reads a row's batch index
-    (`prefix_allowed_tokens_fn`) sees the right one; only the rows that are n long read what that call returns. A
-    call per length, not per row and slot, and a view, not a copy, keeps ids-reading processors cheap."""
+    plain generate calls them once its rows are n long: a processor that reads a row's batch index
+    (`prefix_allowed_tokens_fn`) or holds state per row (the repetition penalty's padding lengths) needs the whole
+    batch in its order. Only the rows that are n long read what that call returns. A call per length, not per row
+    and slot, and a view, not a copy, keeps ids-reading processors affordable."""
 
     def __init__(self, prompt: torch.LongTensor):
         self.prompt_length = prompt.shape[1]

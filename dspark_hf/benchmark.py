@@ -378,6 +378,8 @@ def format_isa_report(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size}).")
     if args.isa != ["native"]:
         emit_report(benchmark_per_isa(args), args.json, format_isa_report)
         return 0

@@ -36,12 +36,12 @@ from .cache import HiddenStateCache
 from .calibration import calibration_report, survival_predictions
 from .metrics import brier_score, per_position_acceptance, survival, tau
 from .progress import add_progress_argument, progress as progress_bar
-from .prompts import DEFAULT_PROMPT_SOURCES, encode_prompt, held_out_prompts
+from .prompts import DEFAULT_PROMPT_SOURCES, encode_batches, encode_prompt, held_out_prompts
 from .remote_code.generation_dspark import DSparkGenerationStats
 from .reporting import emit_report, machine_description, set_threads
 from .rollouts import offline_acceptance, rollouts_from_blocks
 from .targets import add_target_argument, load_target, resolve_target
-from .timing import timed_generate
+from .timing import timed_batch_generation, timed_generate
 
 
 # ---------------------------------------------------------------------------------------------------- offline
@@ -100,20 +100,22 @@ def reliability_bins(predicted: torch.Tensor, observed: torch.Tensor, num_bins: 
 
 # ---------------------------------------------------------------------------------------------------- online
 def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_new_tokens: int = 96,
-                   do_sample: bool = False, seed: int = 0, warmup: bool = True, progress: bool = True) -> dict[str, Any]:
-    """Plain generate vs generate with the drafter on each prompt, alternating, same process; `progress`: a bar over
-    the prompts, else log lines."""
+                   do_sample: bool = False, seed: int = 0, warmup: bool = True, progress: bool = True,
+                   batch_size: int = 1) -> dict[str, Any]:
+    """Plain generate vs generate with the drafter on each prompt (or each left-padded batch of `batch_size`
+    prompts), alternating, same process; `progress`: a bar over the calls, else log lines."""
     device = next(target.parameters()).device
-    encoded = [encode_prompt(tokenizer, p, device) for p in prompts]
+    calls, generate = _online_calls(target, tokenizer, prompts, max_new_tokens, do_sample, batch_size, device)
     if warmup:
-        timed_generate(target, encoded[0], 8, do_sample, seed)
-        timed_generate(target, encoded[0], 8, do_sample, seed, assistant_model=drafter)
+        generate(calls[0], seed)
+        generate(calls[0], seed, assistant_model=drafter)
     plain_tokens = plain_time = spec_tokens = spec_time = 0.0
     stats, identical = [], []
-    bar = progress_bar(encoded, desc=f"eval {'sample' if do_sample else 'greedy'}", unit="prompt", enabled=progress)
+    unit = "prompt" if batch_size == 1 else "batch"
+    bar = progress_bar(calls, desc=f"eval {'sample' if do_sample else 'greedy'}", unit=unit, enabled=progress)
     for i, inputs in enumerate(bar):
-        plain, t_plain = timed_generate(target, inputs, max_new_tokens, do_sample, seed + i)
-        spec, t_spec = timed_generate(target, inputs, max_new_tokens, do_sample, seed + i, assistant_model=drafter)
+        plain, t_plain = generate(inputs, seed + i)
+        spec, t_spec = generate(inputs, seed + i, assistant_model=drafter)
         stats.append(drafter.last_generation_stats)
         plain_tokens, plain_time = plain_tokens + plain.numel(), plain_time + t_plain
         spec_tokens, spec_time = spec_tokens + spec.numel(), spec_time + t_spec
@@ -123,6 +125,7 @@ def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_ne
     summary.update(
         mode="sampling T=1" if do_sample else "greedy",
         prompts=len(prompts),
+        batch_size=batch_size,
         plain_tokens_per_s=plain_tokens / max(plain_time, 1e-9),
         dspark_tokens_per_s=spec_tokens / max(spec_time, 1e-9),
     )
@@ -132,6 +135,22 @@ def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_ne
     if not do_sample:
         summary["identical_to_plain"] = f"{sum(identical)}/{len(identical)}"
     return summary
+
+
+def _online_calls(target, tokenizer, prompts, max_new_tokens: int, do_sample: bool, batch_size: int, device):
+    """The generate calls' inputs (one prompt each, or left-padded batches) and how one is timed: (new tokens,
+    seconds); a batch's new tokens are every row's up to its EOS, as `bench --batch-size` counts them."""
+    if batch_size == 1:
+        def generate(inputs, seed, **kwargs):
+            return timed_generate(target, inputs, max_new_tokens, do_sample, seed, **kwargs)
+
+        return [encode_prompt(tokenizer, p, device) for p in prompts], generate
+
+    def generate_batch(inputs, seed, **kwargs):
+        timed = timed_batch_generation(target, inputs, max_new_tokens, do_sample, seed, **kwargs)
+        return timed.tokens, timed.seconds
+
+    return encode_batches(tokenizer, prompts, batch_size, device), generate_batch
 
 
 def live_acceptance(stats) -> dict[str, Any]:
@@ -256,6 +275,11 @@ def _fmt(values, digits=3) -> str:
     return " ".join(f"{v:.{digits}f}" for v in values)
 
 
+def _batch_note(online: dict[str, Any]) -> str:
+    size = online.get("batch_size", 1)
+    return f" in batches of {size}" if size > 1 else ""
+
+
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"machine: {report['machine']}",
              f"target dtype: {report['dtype']}, drafter dtype (online): {report.get('drafter_dtype', report['dtype'])}"]
@@ -271,7 +295,7 @@ def format_report(report: dict[str, Any]) -> str:
     for on in report.get("online", []):
         lines += [
             "",
-            f"online ({on['mode']}, {on['prompts']} held-out prompts, {on['rounds']} rounds)",
+            f"online ({on['mode']}, {on['prompts']} held-out prompts{_batch_note(on)}, {on['rounds']} rounds)",
             f"  mean accepted length   : {on['mean_accepted_length']:.3f} tokens/round (bonus included)",
             f"  acceptance cumulative  : {_fmt(on['acceptance_cumulative'])}",
             f"  acceptance conditional : {_fmt(on['acceptance_conditional'])}",
@@ -280,8 +304,11 @@ def format_report(report: dict[str, Any]) -> str:
             f"(×{on['speedup']:.2f})",
             f"  draft time / verify    : {on['draft_fraction_of_verify']:.1%} per round",
         ]
+        if "batch_rounds" in on:
+            lines.append(f"  batch rounds           : {on['batch_rounds']} (mean width {on['mean_width']:.2f}, "
+                         f"plain steps {on['plain_step_share']:.0%})")
         if "identical_to_plain" in on:
-            lines.append(f"  identical to plain     : {on['identical_to_plain']} prompts")
+            lines.append(f"  identical to plain     : {on['identical_to_plain']} {'prompts' if on.get('batch_size', 1) == 1 else 'batches'}")
     cal = report.get("calibration")
     if cal:
         lines += ["", "calibration of predicted survival a_k (sampled acceptance events)",
@@ -313,6 +340,8 @@ def load_drafter(path: str, target=None, dtype: torch.dtype = torch.float32):
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size}).")
     args.target = resolve_target(args.target, args.model)
     set_threads(args.threads)
     report: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "drafter_dtype": args.drafter_dtype,
@@ -350,7 +379,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         report["online"] = []
         for mode in args.modes:
             on = online_metrics(target, tokenizer, drafter, prompts, args.max_new_tokens, do_sample=(mode == "sample"),
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, batch_size=args.batch_size)
             report["online"].append(on)
             curves[f"online {on['mode']}"] = live_curve(on)
     if plots and curves:
@@ -370,6 +399,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="split the online prompts come from (default: test, never trained on)")
     parser.add_argument("--num-prompts", type=int, default=8, help="online prompts (0 = offline only)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="online: prompts per generate call, left-padded (batched speculation; default 1)")
     parser.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=["greedy", "sample"],
                         help="online decoding modes (sample = T=1)")
     parser.add_argument("--confidence-threshold", type=float, default=None,

@@ -4,25 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 from pathlib import Path
 
 import torch
 
-from .remote_code.profiling_dspark import cpu_isa_description
+from .remote_code.profiling_dspark import cpu_isa_description, cpu_name
 
 
 def machine_description() -> str:
     """CPU model and ISA, cores and torch threads (and the GPU if one is used): printed with every table."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    text = (f"{cpu} ({cpu_isa_description()}), {os.cpu_count()} cores, torch {torch.__version__} with "
+    text = (f"{cpu_name()} ({cpu_isa_description()}), {os.cpu_count()} cores, torch {torch.__version__} with "
             f"{torch.get_num_threads()} thread(s)")
     if torch.cuda.is_available():
         text += f", GPU {torch.cuda.get_device_name(0)}"

@@ -110,6 +110,8 @@ def test_bad_targets_and_outputs_are_one_line_in_process(tiny_dir, prompts, tmp_
     data = _write(tmp_path / "d.jsonl", _records_of_split("train", 1))
     assert "a file stands where a directory is needed; pass another --output" in fails(
         "cache", "--target", str(tiny_dir), "--dataset", str(data), "--output", str(blocker / "cache"), "--aux-layers", "1,2")
+    for command in ("eval", "bench"):
+        assert "--batch-size must be at least 1 (got 0)" in fails(command, "--model", str(tmp_path), "--batch-size", "0")
     monkeypatch.setenv("DSPARK_HF_DEBUG", "1")  # the environment variable shows the traceback too
     with pytest.raises(FileNotFoundError, match="missing/target does not exist"):
         cli.main(["regenerate", "--target", "./missing/target", "--input", str(prompts), *out])

@@ -24,6 +24,7 @@ from dspark_hf import DSparkContextCache
 from dspark_hf.cache import HiddenStateCache, build_cache
 from dspark_hf.evaluation import (
     calibration_metrics,
+    format_report,
     offline_acceptance,
     offline_metrics,
     online_metrics,
@@ -103,6 +104,19 @@ def test_online_stats_add_up_and_greedy_is_lossless(tiny):
     assert greedy["plain_tokens_per_s"] > 0 and greedy["dspark_tokens_per_s"] > 0
     sampled = online_metrics(target, tokenizer, drafter, PROMPTS[:1], max_new_tokens=8, do_sample=True, warmup=False)
     assert sampled["mode"] == "sampling T=1" and sampled["rounds"] > 0
+
+
+def test_online_stats_at_a_batch_size_are_batched_and_lossless(tiny):
+    """`eval --batch-size 2`: left-padded batches through batched speculation, each batch's rows (up to EOS)
+    identical to plain batched generate's, and the schedule's batch rounds reported."""
+    target, tokenizer, drafter = tiny
+    prompts = PROMPTS + PROMPTS[:1]  # a batch of 2, then the last prompt alone
+    greedy = online_metrics(target, tokenizer, drafter, prompts, max_new_tokens=12, do_sample=False, warmup=False,
+                            batch_size=2)
+    batches = 2
+    assert greedy["identical_to_plain"] == f"{batches}/{batches}" and greedy["batch_size"] == 2
+    assert greedy["batch_rounds"] > 0 and 0 <= greedy["plain_step_share"] <= 1
+    assert "in batches of 2" in format_report({"machine": "m", "dtype": "float32", "online": [greedy]})
 
 
 def test_timed_generation_splits_the_prefill_from_decoding(tiny):

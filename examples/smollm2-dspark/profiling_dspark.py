@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,12 +34,14 @@ PROFILE_TYPICAL_SPREAD = 0.10  # ... and a profile whose median spread exceeds t
 
 
 @functools.cache
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what `platform` knows of it."""
+    fallback = platform.processor() or platform.machine() or "cpu"
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "cpu")
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), fallback)
     except OSError:
-        return "cpu"
+        return fallback
 
 
 # Environment variables that cap the instruction set the CPU kernels use (ATen, oneDNN, MKL): a capped run is
@@ -76,7 +79,7 @@ def _device_description(device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
     if device.type != "cpu":
         return device.type
-    return f"{_cpu_name()} ({cpu_isa_description()}), {torch.get_num_threads()} thread(s)"
+    return f"{cpu_name()} ({cpu_isa_description()}), {torch.get_num_threads()} thread(s)"
 
 
 def verify_profile_key(target: PreTrainedModel) -> dict[str, str]:
