@@ -149,10 +149,11 @@ def fixed_length(drafter):
     return drafter
 
 
-def _length(args) -> dict[str, int]:
-    """`--fixed-length`: every answer runs to max_new_tokens (EOS ignored), so at T = 1 each method decodes the same
-    number of tokens at the same context lengths instead of answers of the lengths its own samples happened to take."""
-    return {"min_new_tokens": args.max_new_tokens} if args.fixed_length else {}
+def _length(args) -> dict[str, None]:
+    """`--fixed-length`: every answer runs to max_new_tokens with EOS off, so at T = 1 each method decodes the same
+    number of tokens at the same context lengths instead of answers of the lengths its own samples happened to take.
+    EOS off rather than `min_new_tokens`: no logits processor is added, so no method pays for one."""
+    return {"eos_token_id": None} if args.fixed_length else {}
 
 
 def run_methods(target, encoded, methods, models, args, do_sample: bool) -> dict[str, dict[str, Any]]:
@@ -252,7 +253,7 @@ def plot_domain_acceptance(path, report: dict[str, Any], method: str = "dspark")
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"machine: {report['machine']}", f"drafter: {report['drafter']}",
              f"dtype: {report['dtype']} (drafters: {report.get('drafter_dtype', report['dtype'])})   "
-             f"max_new_tokens: {report['max_new_tokens']}{' (fixed length, EOS ignored)' if report.get('fixed_length') else ''}"
+             f"max_new_tokens: {report['max_new_tokens']}{' (fixed length, EOS off)' if report.get('fixed_length') else ''}"
              f"   repetitions: {report['repetitions']} (interleaved, median)   batch size: {report.get('batch_size', 1)}"
              f"{' (left-padded; one-row methods left out; whole calls, no decode split)' if report.get('batch_size', 1) > 1 else ''}",
              f"assisted-lm = {report['assistant']}",
@@ -329,7 +330,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--fixed-length", action="store_true",
-                        help="every answer runs to --max-new-tokens (EOS ignored): at T = 1 methods then decode the "
+                        help="every answer runs to --max-new-tokens (EOS off): at T = 1 methods then decode the "
                         "same number of tokens at the same context lengths (answers of the lengths each method's own "
                         "samples took move a few-prompt cell by several per cent)")
     parser.add_argument("--assistant-layers", type=int, default=4, help="depth of the truncated small-LM assistant")

@@ -68,9 +68,10 @@ def timed_generate(target, inputs, max_new_tokens: int, do_sample: bool, seed: i
 
 def timed_batch_generation(target, batch, max_new_tokens: int, do_sample: bool, seed: int = 0, **kwargs) -> TimedGeneration:
     """One `generate` call on a left-padded batch, timed whole (a batch does not stream, so there is no first-token
-    split): its tokens are every row's new tokens up to and including its EOS, end to end."""
+    split): its tokens are every row's new tokens up to and including its EOS (the call's: none with
+    `eos_token_id=None`), end to end."""
     out, _, seconds = _timed_call(target, batch, max_new_tokens, do_sample, seed, **kwargs)
-    eos = target.generation_config.eos_token_id
+    eos = kwargs["eos_token_id"] if "eos_token_id" in kwargs else target.generation_config.eos_token_id
     eos = torch.tensor(eos if isinstance(eos, list) else [] if eos is None else [eos])
     rows = []
     for row in out[:, batch["input_ids"].shape[1]:]:

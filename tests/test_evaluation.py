@@ -203,7 +203,7 @@ def test_eval_and_bench_commands_run_on_a_tiny_model(tiny, tmp_path, capsys):
                               "6", "--repetitions", "1", "--dtype", "float32", "--methods", "plain", "dspark-fixed",
                               "--fixed-length", "--json", str(tmp_path / "sizing-bench.json")])
     assert benchmark.run(args) == 0
-    assert "max_new_tokens: 6 (fixed length, EOS ignored)" in capsys.readouterr().out
+    assert "max_new_tokens: 6 (fixed length, EOS off)" in capsys.readouterr().out
     sizing_bench = json.loads((tmp_path / "sizing-bench.json").read_text())
     assert sizing_bench["fixed_length"] is True
     assert sizing_bench["dspark_overhead"]["draft_round_ms"] > 0
@@ -236,6 +236,19 @@ def test_bench_batch_size_runs_batched_methods_side_by_side(tiny, tmp_path, caps
     for method in ("dspark", "dspark-fixed"):
         live = domain["modes"]["greedy"][method]
         assert live["identical_to_plain"] == 2 and live["batch_rounds"] > 0 and 0 <= live["plain_step_share"] <= 1
+
+
+def test_fixed_length_batches_count_every_row_to_max_new_tokens(tiny):
+    """`--fixed-length` turns EOS off: every row of a batch decodes max_new_tokens, and all of them are counted
+    (with EOS on, a row's tokens end at its first EOS)."""
+    from dspark_hf.prompts import encode_batches
+    from dspark_hf.timing import timed_batch_generation
+
+    target, tokenizer, drafter = tiny
+    batch = encode_batches(tokenizer, PROMPTS, 2)[0]
+    for kwargs in ({}, {"assistant_model": drafter}):
+        timed = timed_batch_generation(target, batch, 9, False, 0, eos_token_id=None, **kwargs)
+        assert timed.tokens.numel() == 2 * 9
 
 
 @pytest.mark.slow
