@@ -174,6 +174,14 @@ class DSparkBatchIds:
     def new_tokens(self, row: int) -> int:
         return self.lengths[row] - self.prompt_length
 
+    def lengths_of(self, rows: torch.LongTensor) -> torch.LongTensor:
+        """How many ids each of `rows` holds (a,)."""
+        return torch.tensor([self.lengths[r] for r in rows.tolist()], device=rows.device)
+
+    def sequence(self, row: int) -> torch.LongTensor:
+        """Row `row` as plain batched generate holds it: its padded prompt and every token committed since."""
+        return self.tokens[row, : self.lengths[row]]
+
     def columns(self, length: int) -> torch.LongTensor:
         return self.tokens[:, :length]
 
@@ -189,7 +197,7 @@ class DSparkBatchIds:
     def stage(self, rows: torch.LongTensor, drafts: torch.LongTensor):
         """Write each row's drafts (a, w) after its tokens without counting them: slot j then reads the row's tokens
         and its first j drafts as `columns(length + j)`."""
-        starts = torch.tensor([self.lengths[r] for r in rows.tolist()], device=self.tokens.device)
+        starts = self.lengths_of(rows)
         self._reserve(int(starts.max()) + drafts.shape[1])
         self.tokens[rows[:, None], starts[:, None] + torch.arange(drafts.shape[1], device=starts.device)] = drafts
 
@@ -284,8 +292,7 @@ class DSparkBatchGeneration:
 
     def _room(self, batch: DSparkBatchRows) -> torch.LongTensor:
         """Per row, how many drafts fit before max_length (the bonus token takes one place)."""
-        lengths = torch.tensor([self.ids.new_tokens(r) for r in batch.rows.tolist()], device=batch.rows.device)
-        room = self.config.max_length - self.prompt.shape[1] - lengths - 1
+        room = self.config.max_length - self.ids.lengths_of(batch.rows) - 1
         return room.clamp(min=0, max=self.settings.num_drafts)
 
     def _draft(self, batch: DSparkBatchRows, room: int):
@@ -324,8 +331,8 @@ class DSparkBatchGeneration:
             flat = logits.reshape(-1, logits.shape[-1])
             return self.processors(ids.reshape(-1, 1), flat).reshape(logits.shape)
         self.ids.stage(batch.rows, ids[:, 1:])
-        starts = torch.tensor([self.ids.lengths[r] for r in batch.rows.tolist()], device=ids.device)
-        lengths = starts[:, None] + torch.arange(ids.shape[1], device=ids.device)  # (a, w + 1) ids slot j reads
+        slots = torch.arange(ids.shape[1], device=ids.device)
+        lengths = self.ids.lengths_of(batch.rows)[:, None] + slots  # (a, w + 1): how many ids slot j reads
         scores = logits.new_zeros((self.prompt.shape[0], logits.shape[-1]))  # rows of other lengths: read by no one
         for length in lengths[valid].unique().tolist():
             i, j = ((lengths == length) & valid).nonzero(as_tuple=True)
@@ -333,10 +340,6 @@ class DSparkBatchGeneration:
             scores[rows] = logits[i, j]
             logits[i, j] = self.processors(self.ids.columns(length), scores)[rows]
         return logits
-
-    def _sequence(self, row: int) -> torch.LongTensor:
-        """Row `row` as plain batched generate holds it: its padded prompt and every token committed since."""
-        return self.ids.tokens[row, : self.ids.lengths[row]]
 
     # -------------------------------------------------------------------------------------------------- acceptance
 
