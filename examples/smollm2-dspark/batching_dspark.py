@@ -203,8 +203,8 @@ class DSparkBatchIds:
 
     def _reserve(self, length: int):
         if length > self.tokens.shape[1]:
-            grown = max(length, 2 * self.tokens.shape[1])
-            self.tokens = torch.cat([self.tokens, self.tokens.new_zeros((self.tokens.shape[0], grown - self.tokens.shape[1]))], 1)
+            more = max(length, 2 * self.tokens.shape[1]) - self.tokens.shape[1]
+            self.tokens = torch.cat([self.tokens, self.tokens.new_zeros((self.tokens.shape[0], more))], dim=1)
 
 
 class DSparkBatchGeneration:
