@@ -235,7 +235,6 @@ class DSparkBatchGeneration:
 
     def generate(self, input_ids: torch.LongTensor):
         """Generate every row to its end; the output has plain `generate`'s layout."""
-        self.prompt = input_ids
         self.ids = DSparkBatchIds(input_ids)
         self.stopped_at: list[int | None] = [None] * input_ids.shape[0]  # tokens a row had when it stopped
         batch = self._prefill(input_ids)
@@ -333,7 +332,7 @@ class DSparkBatchGeneration:
         self.ids.stage(batch.rows, ids[:, 1:])
         slots = torch.arange(ids.shape[1], device=ids.device)
         lengths = self.ids.lengths_of(batch.rows)[:, None] + slots  # (a, w + 1): how many ids slot j reads
-        scores = logits.new_zeros((self.prompt.shape[0], logits.shape[-1]))  # rows of other lengths: read by no one
+        scores = logits.new_zeros((len(self.ids.lengths), logits.shape[-1]))  # rows of other lengths: read by no one
         for length in lengths[valid].unique().tolist():
             i, j = ((lengths == length) & valid).nonzero(as_tuple=True)
             rows = batch.rows[i]
