@@ -45,6 +45,7 @@ import torch
 
 from . import DSparkContextCache
 from .evaluation import drafter_name, live_acceptance_over_calls, live_curve, load_drafter, plot_acceptance
+from .flags import non_negative_int, positive_int, probability
 from .progress import add_progress_argument, progress as progress_bar
 from .prompts import domain_prompts, encode_batches, encode_prompt, long_context
 from .reporting import emit_report, machine_description, set_threads
@@ -130,7 +131,7 @@ def load_methods(args, target, dtype) -> tuple[list[str], dict[str, Any]]:
     if "assisted-lm" in methods:
         models["assistant"] = truncated_assistant(target, args.assistant_layers)
     if "dflash" in methods:
-        models["dflash"] = load_drafter(args.dflash, target, dtype)
+        models["dflash"] = load_drafter(args.dflash, target, dtype, flag="--dflash")
     if "dspark" in methods:
         models["dspark"] = load_drafter(args.model, target, dtype)
     if "dspark-fixed" in methods:
@@ -324,21 +325,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "wordnet-nouns, stdlib-explain, chitchat-long, humaneval, ...) or a JSONL file; SPLIT overrides "
                         "--split (use all for a corpus never trained on), TURNS > 1 keeps that many user turns of history")
     parser.add_argument("--split", default="test", choices=["train", "validation", "test", "all"])
-    parser.add_argument("--num-prompts", type=int, default=6)
-    parser.add_argument("--batch-size", type=int, default=1,
+    parser.add_argument("--num-prompts", type=positive_int, default=6)
+    parser.add_argument("--batch-size", type=positive_int, default=1,
                         help="prompts per generate call, left-padded (batched speculation; default: one at a time)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64)
+    parser.add_argument("--repetitions", type=positive_int, default=3)
     parser.add_argument("--fixed-length", action="store_true",
                         help="every answer runs to --max-new-tokens (EOS off): at T = 1 methods then decode the "
                         "same number of tokens at the same context lengths (answers of the lengths each method's own "
                         "samples took move a few-prompt cell by several per cent)")
-    parser.add_argument("--assistant-layers", type=int, default=4, help="depth of the truncated small-LM assistant")
-    parser.add_argument("--prompt-lookup-tokens", type=int, default=10)
-    parser.add_argument("--confidence-threshold", type=float, default=0.1, help="survival threshold of dspark-conf")
-    parser.add_argument("--overhead-context", type=int, default=0,
+    parser.add_argument("--assistant-layers", type=positive_int, default=4, help="depth of the truncated small-LM assistant")
+    parser.add_argument("--prompt-lookup-tokens", type=positive_int, default=10)
+    parser.add_argument("--confidence-threshold", type=probability, default=0.1, help="survival threshold of dspark-conf")
+    parser.add_argument("--overhead-context", type=non_negative_int, default=0,
                         help="context length of the overhead measurement (default: the first prompt)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--plots", help="directory for acceptance.png (per-domain conditional and cumulative acceptance)")
     parser.add_argument("--isa", nargs="+", default=["native"], choices=list(ISA_CAPS),
                         help="run the bench once per CPU instruction set, side by side: native, and avx2 (this CPU "
@@ -379,8 +380,6 @@ def format_isa_report(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size}).")
     if args.isa != ["native"]:
         emit_report(benchmark_per_isa(args), args.json, format_isa_report)
         return 0

@@ -52,6 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .data import add_dataset_arguments, load_selected_conversations
+from .flags import layer_ids, positive_int
 from .progress import add_progress_argument, progress as progress_bar
 from .tokenization import tokenize_conversations
 from .targets import (add_placement_arguments, add_target_argument, input_device, load_target, load_target_heads,
@@ -672,6 +673,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="cache directory (created; an existing partial cache is resumed)")
     parser.add_argument(
         "--aux-layers",
+        type=layer_ids,
         default=None,
         help="comma-separated aux layer ids, speculators convention (0 = embeddings, k = output of decoder layer "
         "k-1); default: 1, (L-3)//2 and L-4 of an L-layer target (low, middle and high, the Kimi-K2.6 DSpark "
@@ -682,9 +684,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="storage dtype of hidden states (default: bfloat16); float8_e4m3fn stores fp8 with one "
                         "float32 scale per token and layer, about half the bytes, dequantised when read")
     parser.add_argument("--target-dtype", default="float32", choices=list(DTYPES), help="dtype the target runs in (default: float32)")
-    parser.add_argument("--max-length", type=int, default=2048, help="truncate samples to this many tokens (default: 2048)")
-    parser.add_argument("--shard-size", type=int, default=256, help="samples per shard (default: 256)")
-    parser.add_argument("--batch-size", type=int, default=8, help="samples per target forward (default: 8)")
+    parser.add_argument("--max-length", type=positive_int, default=2048, help="truncate samples to this many tokens (default: 2048)")
+    parser.add_argument("--shard-size", type=positive_int, default=256, help="samples per shard (default: 256)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="samples per target forward (default: 8)")
     parser.add_argument("--device", default=None,
                         help="device of the target (default: cpu; under `accelerate launch` with several processes, "
                         "each process's own device)")
@@ -693,8 +695,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    conversations = load_selected_conversations(args.dataset, args.split, args.limit, messages_column=args.messages_column)
-    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    conversations = load_selected_conversations(args.dataset, args.split, args.limit, messages_column=args.messages_column,
+                                                log=lambda line: print(f"cache: {line}"))
     # `accelerate launch` with n processes: shard k is captured by process k % n; a plain run is one process
     state = PartialState(cpu=args.device == "cpu" or parse_flag_from_env("ACCELERATE_USE_CPU"))
     device = args.device or ("cpu" if state.num_processes == 1 else state.device)
@@ -704,7 +706,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer,
         conversations,
         args.output,
-        aux_layer_ids=aux,
+        aux_layer_ids=args.aux_layers,
         dtype=args.dtype,
         shard_size=args.shard_size,
         batch_size=args.batch_size,

@@ -25,10 +25,11 @@ import torch
 
 from . import DSparkForDrafting
 from .cache import HiddenStateCache
+from .flags import positive_int, seed
 from .metrics import brier_score, expected_calibration_error, log_loss, roc_auc
 from .progress import add_progress_argument
 from .rollouts import Rollouts, collect_rollouts
-from .targets import add_target_argument, load_target_heads, resolve_target
+from .targets import add_target_argument, check_drafter_dir, load_target_heads, resolve_target
 
 DEFAULT_GRID = [0.25 * 16 ** (i / 48) for i in range(49)]  # 0.25 .. 4, geometric
 SCORES = {"nll": log_loss, "brier": brier_score}
@@ -97,6 +98,7 @@ def calibrate(model_dir: str, cache_dir: str, output_dir: str | None = None, eva
 
     The report is computed on `eval_cache_dir` when given (held-out rollouts), else on the fitting rollouts.
     """
+    check_drafter_dir(model_dir)
     model = DSparkForDrafting.from_pretrained(model_dir, dtype=torch.float32)
     if target is not None or model.config.bind_target_embeddings:  # else the embedding and head stay random
         model.bind_target(load_target_heads(resolve_target(target, model_dir)))
@@ -134,9 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-cache", help="a second held-out cache to report ECE/AUC on (default: the fitting one)")
     parser.add_argument("--output-dir", help="write the calibrated checkpoint here (default: update --model in place)")
     add_target_argument(parser, from_drafter=True)  # the model whose embedding and LM head the drafter binds
-    parser.add_argument("--max-anchors", type=int, default=256, help="blocks per sample")
-    parser.add_argument("--draws", type=int, default=8, help="sampled acceptance draws per block")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-anchors", type=positive_int, default=256, help="blocks per sample")
+    parser.add_argument("--draws", type=positive_int, default=8, help="sampled acceptance draws per block")
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--score", default="nll", choices=sorted(SCORES),
                         help="proper score STS minimizes per position (default: nll, the log loss)")
     add_progress_argument(parser)

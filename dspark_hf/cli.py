@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 
+from .flags import OneLineParser, option_for_path
 from .interrupt import CtrlC, end_process
 from .progress import close_all
 
@@ -40,31 +41,34 @@ RESUME_HINTS = {
     "cache": "rerun the same command to resume where it stopped (finished shards are kept)",
     "train": "rerun the same command with --resume to continue from the last checkpoint",
 }
-# What to do about the OSErrors users hit while writing results.
+# What to do about the OSErrors users hit while writing results; {flag} is the option holding the path.
 OS_ERROR_FIXES = {
-    errno.ENOSPC: "free some disk space or pass an --output on another disk",
-    errno.EDQUOT: "free some disk space or pass an --output on another disk",
-    errno.EROFS: "the disk is read-only; pass an --output on a writable disk",
-    errno.EACCES: "pass an --output you may write to",
-    errno.EPERM: "pass an --output you may write to",
-    errno.ENOTDIR: "a file stands where a directory is needed; pass another --output",
-    errno.EISDIR: "a directory stands where a file is needed; pass another path",
-    errno.EEXIST: "a file stands where a directory is needed; pass another --output",
+    errno.ENOSPC: "free some disk space or pass {a_flag} on another disk",
+    errno.EDQUOT: "free some disk space or pass {a_flag} on another disk",
+    errno.EROFS: "the disk is read-only; pass {a_flag} on a writable disk",
+    errno.EACCES: "pass {a_flag} you may write to",
+    errno.EPERM: "pass {a_flag} you may write to",
+    errno.ENOTDIR: "a file stands where a directory is needed; pass another {flag}",
+    errno.EISDIR: "a directory stands where a file is needed; pass another {flag}",
+    errno.EEXIST: "a file stands where a directory is needed; pass another {flag}",
 }
 
 
-def describe_os_error(error: OSError) -> str:
-    """One line for an OSError: what failed, on which path, and the fix when we know it (ours carry only a message)."""
+def describe_os_error(error: OSError, flag: str | None = None) -> str:
+    """One line for an OSError: what failed, on which path, and the fix when we know it (ours carry only a message);
+    `flag` is the option that named the path (`--output`, `--output-dir`), when it is one of the user's."""
     if error.errno is None:
         return str(error)
     what = error.strerror or str(error)
     where = f": {error.filename}" if error.filename else ""
     fix = OS_ERROR_FIXES.get(error.errno)
-    return f"{what}{where}" + (f"; {fix}" if fix else "")
+    flag = flag or "--output"
+    a_flag = f"an {flag}" if flag.startswith("-") else f"a {flag}"
+    return f"{what}{where}" + (f"; {fix.format(flag=flag, a_flag=a_flag)}" if fix else "")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(prog="dspark-hf", description="DSpark speculative-decoding drafters for transformers.")
+    parser = OneLineParser(prog="dspark-hf", description="DSpark speculative-decoding drafters for transformers.")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     children = {}
@@ -113,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except OSError as error:  # our own FileNotFoundError messages, or a full/read-only disk, a file for a directory...
         close_all()
-        print(f"dspark-hf {command}: error: {describe_os_error(error)}", file=sys.stderr)
+        flag = option_for_path(children[command], args, error.filename)
+        print(f"dspark-hf {command}: error: {describe_os_error(error, flag)}", file=sys.stderr)
         return 1
 
 

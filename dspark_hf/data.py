@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .corpora import CORPORA
+from .flags import positive_int
 
 ROLES = ("system", "user", "assistant")
 # ShareGPT speaker names -> roles.
@@ -38,6 +39,10 @@ DATASET_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", "
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 MESSAGE_COLUMNS = ("messages", "conversations")
 SPLITS = ("train", "validation", "test")
+# The hash split's shares: 2 % of conversation ids go to validation and 2 % to test, the rest to train.
+VALIDATION_SHARE = TEST_SHARE = 0.02
+MISSING_DATASET_HINT = ("pass an existing JSONL, Parquet, Arrow, JSON or CSV file, a folder of them, a built-in corpus "
+                        f"({', '.join(list(CORPORA)[:3])}, ...) or a Hub dataset id (org/name)")
 
 Conversation = dict  # {"id": str, "messages": list[dict[str, str]]}
 
@@ -79,23 +84,42 @@ def normalize_record(record: dict, where: str = "<record>") -> Conversation:
     return {"id": str(conv_id) if conv_id is not None else _conversation_id(messages), "messages": messages}
 
 
-def read_jsonl(path: str | os.PathLike) -> list[Conversation]:
-    """Read a JSONL dataset (OpenAI messages or ShareGPT, mixed freely) into normalized conversations."""
+def record_from_column(turns, conv_id, where: str) -> Conversation:
+    """A conversation from the turns of a named column (OpenAI or ShareGPT, told apart by the first turn's keys)."""
+    key = "conversations" if turns and isinstance(turns[0], dict) and "from" in turns[0] else "messages"
+    return normalize_record({key: turns} if conv_id is None else {key: turns, "id": conv_id}, where)
+
+
+def read_jsonl(path: str | os.PathLike, messages_column: str | None = None) -> list[Conversation]:
+    """Read a JSONL dataset (OpenAI messages or ShareGPT, mixed freely) into normalized conversations; with
+    `messages_column`, each record's turns are read from that key, as for any other format."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset {path} does not exist")
+        raise FileNotFoundError(f"dataset {path} does not exist; {MISSING_DATASET_HINT}")
     conversations = []
+    for where, record in _jsonl_records(path):
+        if messages_column is None:
+            conversations.append(normalize_record(record, where))
+        elif not isinstance(record, dict) or messages_column not in record:
+            keys = ", ".join(sorted(record)) if isinstance(record, dict) else "none"
+            raise ValueError(f"{where}: no {messages_column!r} key (keys: {keys or 'none'}); pass --messages-column "
+                             "with the key that holds the turns")
+        else:
+            conversations.append(record_from_column(record[messages_column], record.get("id"), where))
+    return conversations
+
+
+def _jsonl_records(path: Path):
+    """(FILE:LINE, parsed record) for every non-blank line."""
     with open(path, encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             where = f"{path}:{line_no}"
             try:
-                record = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{where}: not valid JSON ({error.msg}); each line must be one JSON object") from None
-            conversations.append(normalize_record(record, where))
-    return conversations
 
 
 def check_dataset(conversations: list[Conversation], name: str = "dataset", need_assistant: bool = True) -> None:
@@ -134,11 +158,11 @@ def load_conversations(source: str | os.PathLike, messages_column: str | None = 
         return CORPORA[str(source)]()
     path = Path(source)
     if path.is_file() and path.suffix == ".jsonl":
-        return read_jsonl(path)
+        return read_jsonl(path, messages_column)
     if path.is_dir() and not any((path / name).exists() for name in SAVED_DATASET_FILES):
         shards = _shards_of(path)
         if shards[0].suffix == ".jsonl":
-            return [conv for shard in shards for conv in read_jsonl(shard)]
+            return [conv for shard in shards for conv in read_jsonl(shard, messages_column)]
         return read_records(_read_files(shards), str(source), messages_column)
     return read_records(_open_dataset(source, path, hub_split), str(source), messages_column)
 
@@ -175,7 +199,7 @@ def _open_dataset(source: str | os.PathLike, path: Path, hub_split: str):
         saved = datasets.load_from_disk(str(path))
         return _one_split(saved, hub_split, str(path))
     if path.suffix in (".jsonl", *DATASET_BUILDERS) or (os.sep in str(source) and not _looks_like_hub_id(str(source))):
-        raise FileNotFoundError(f"dataset {path} does not exist")
+        raise FileNotFoundError(f"dataset {path} does not exist; {MISSING_DATASET_HINT}")
     try:
         return _one_split(datasets.load_dataset(str(source), split=hub_split), hub_split, str(source))
     except (FileNotFoundError, ConnectionError, ValueError, OSError) as error:
@@ -208,9 +232,7 @@ def read_records(dataset, name: str, messages_column: str | None = None) -> list
     conversations, row = [], 0
     for batch in dataset.select_columns(wanted).iter(batch_size=1024):
         for turns, conv_id in zip(batch[column], batch.get("id") or [None] * len(batch[column])):
-            key = "conversations" if turns and isinstance(turns[0], dict) and "from" in turns[0] else "messages"
-            record = {key: turns} if conv_id is None else {key: turns, "id": conv_id}
-            conversations.append(normalize_record(record, f"{name} row {row}"))
+            conversations.append(record_from_column(turns, conv_id, f"{name} row {row}"))
             row += 1
     return conversations
 
@@ -229,7 +251,7 @@ def _messages_column(columns: list[str], name: str, messages_column: str | None)
 
 
 # ----------------------------------------------------------------------------------------------------- splitting
-def split_of(conv_id: str, validation: float = 0.02, test: float = 0.02, salt: str = "dspark-hf") -> str:
+def split_of(conv_id: str, validation: float = VALIDATION_SHARE, test: float = TEST_SHARE, salt: str = "dspark-hf") -> str:
     """Deterministic split of one conversation id: a hash, not a position, so adding data never moves a test
     conversation into train."""
     digest = hashlib.sha256(f"{salt}:{conv_id}".encode()).digest()
@@ -242,7 +264,7 @@ def split_of(conv_id: str, validation: float = 0.02, test: float = 0.02, salt: s
 
 
 def split_conversations(
-    conversations: list[Conversation], validation: float = 0.02, test: float = 0.02, salt: str = "dspark-hf"
+    conversations: list[Conversation], validation: float = VALIDATION_SHARE, test: float = TEST_SHARE, salt: str = "dspark-hf"
 ) -> dict[str, list[Conversation]]:
     """{"train", "validation", "test"} -> conversations, by `split_of` on each id (order preserved)."""
     if validation < 0 or test < 0 or validation + test >= 1:
@@ -251,6 +273,15 @@ def split_conversations(
     for conv in conversations:
         out[split_of(conv["id"], validation, test, salt)].append(conv)
     return out
+
+
+def split_summary(conversations: list[Conversation], source: str | os.PathLike) -> str:
+    """How `source` splits: `prompts.jsonl: 100 conversations, 99 train / 1 validation / 0 test (the hash of each id
+    sends 96 % / 2 % / 2 % of them)`, so a newcomer sees why a small file's test split is empty."""
+    sizes = {name: len(part) for name, part in split_conversations(conversations).items()}
+    shares = " / ".join(f"{share:.0%}" for share in (1 - VALIDATION_SHARE - TEST_SHARE, VALIDATION_SHARE, TEST_SHARE))
+    return (f"{source}: {len(conversations)} conversations, {' / '.join(f'{n} {name}' for name, n in sizes.items())} "
+            f"(the hash of each id sends {shares} of them)")
 
 
 def select_conversations(conversations: list[Conversation], source: str | os.PathLike, split: str = "all",
@@ -271,6 +302,33 @@ def select_conversations(conversations: list[Conversation], source: str | os.Pat
     )
 
 
+def check_unique_ids(conversations: list[Conversation], source: str | os.PathLike) -> None:
+    """Refuse conversations that share an id, naming where each repeat is: a resumed `regenerate` tells the finished
+    ones by id. A record without an `id` is keyed by its turns, so a prompt that appears twice repeats its key."""
+    first: dict[str, int] = {}
+    repeats = [(first[c["id"]], i) for i, c in enumerate(conversations) if first.setdefault(c["id"], i) != i]
+    if not repeats:
+        return
+    where = _record_locations(source, len(conversations))
+    shown = ", ".join(f"{where[j]} repeats {where[i]}" for i, j in repeats[:3])
+    more = f" and {len(repeats) - 3} more" if len(repeats) > 3 else ""
+    raise ValueError(
+        f"{len(repeats)} conversations of {source} repeat an earlier one's id ({shown}{more}; a record without an "
+        "\"id\" is keyed by its turns), so a resumed run could not tell which are done; drop the repeats or give each "
+        "record a unique \"id\""
+    )
+
+
+def _record_locations(source: str | os.PathLike, count: int) -> list[str]:
+    """Where each conversation `load_conversations(source)` returns came from: FILE:LINE for JSONL, else row N."""
+    path = Path(source)
+    files = [path] if path.is_file() and path.suffix == ".jsonl" else []
+    if path.is_dir() and not any((path / name).exists() for name in SAVED_DATASET_FILES):
+        files = [f for f in _shards_of(path) if f.suffix == ".jsonl"]
+    places = [where for file in files for where, _ in _jsonl_records(file)]
+    return places if len(places) == count else [f"{source} row {i}" for i in range(count)]
+
+
 # ------------------------------------------------------------------------------------------------ the command line
 def add_dataset_arguments(parser, stage: str, flags: tuple[str, ...] = ("--dataset",)) -> None:
     """`--dataset`, `--split` and `--limit`: which conversations a stage that reads a chat dataset (`cache`,
@@ -282,14 +340,20 @@ def add_dataset_arguments(parser, stage: str, flags: tuple[str, ...] = ("--datas
                         help="the column holding each conversation's turns (default: messages or conversations)")
     parser.add_argument("--split", default="all", choices=[*SPLITS, "all"],
                         help=f"hash split to {stage} (default: all; a regenerated file is already split)")
-    parser.add_argument("--limit", type=int, default=None, help=f"{stage} only the first N conversations of the split")
+    parser.add_argument("--limit", type=positive_int, default=None, help=f"{stage} only the first N conversations of the split")
 
 
 def load_selected_conversations(source: str | os.PathLike, split: str = "all", limit: int | None = None,
-                                need_assistant: bool = True, messages_column: str | None = None) -> list[Conversation]:
+                                need_assistant: bool = True, messages_column: str | None = None,
+                                unique_ids: bool = False, log=None) -> list[Conversation]:
     """`source` read (`load_conversations`), refused with the data errors every stage shares (`check_dataset`), and
     one split's first `limit` conversations (`select_conversations`): what `cache`, `regenerate` and online training
-    read, so each refuses a bad file the same way before any target loads."""
+    read, so each refuses a bad file the same way before any target loads. `unique_ids` refuses repeated ids in the
+    whole file (`check_unique_ids`: whatever the split and limit); `log` gets `split_summary` when a split is chosen."""
     conversations = load_conversations(source, messages_column)
     check_dataset(conversations, str(source), need_assistant)
+    if unique_ids:
+        check_unique_ids(conversations, source)
+    if log is not None and split != "all":
+        log(split_summary(conversations, source))
     return select_conversations(conversations, source, split, limit)

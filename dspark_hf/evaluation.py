@@ -34,13 +34,14 @@ import torch
 from . import DSparkConfig, DSparkForDrafting
 from .cache import HiddenStateCache
 from .calibration import calibration_report, survival_predictions
+from .flags import non_negative_int, positive_int, probability
 from .metrics import brier_score, per_position_acceptance, survival, tau
 from .progress import add_progress_argument, progress as progress_bar
 from .prompts import DEFAULT_PROMPT_SOURCES, encode_batches, encode_prompt, held_out_prompts
 from .remote_code.generation_dspark import DSparkGenerationStats
 from .reporting import emit_report, machine_description, set_threads
 from .rollouts import offline_acceptance, rollouts_from_blocks
-from .targets import add_target_argument, load_target, resolve_target
+from .targets import add_target_argument, check_drafter_dir, load_target, resolve_target
 from .timing import timed_batch_generation, timed_generate
 
 
@@ -330,9 +331,11 @@ def drafter_name(model_dir: str) -> str:
     return f"DSpark drafter for {config.verifier_name_or_path or 'its target'} ({Path(model_dir).name})"
 
 
-def load_drafter(path: str, target=None, dtype: torch.dtype = torch.float32):
+def load_drafter(path: str, target=None, dtype: torch.dtype = torch.float32, flag: str = "--model"):
     """A drafter from a directory, bound to `target` if its checkpoint omits the frozen embed/head: how `eval` and
-    `bench` load every drafter they measure (a checkpoint as shipped binds its embedding and LM head at attach time)."""
+    `bench` load every drafter they measure (a checkpoint as shipped binds its embedding and LM head at attach time);
+    `flag` is the option that named `path`, for the line a directory that is no drafter gets."""
+    check_drafter_dir(path, flag)
     drafter = DSparkForDrafting.from_pretrained(path, dtype=dtype).eval()
     if target is not None and drafter.config.bind_target_embeddings:
         drafter.bind_target(target)
@@ -340,8 +343,6 @@ def load_drafter(path: str, target=None, dtype: torch.dtype = torch.float32):
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size}).")
     args.target = resolve_target(args.target, args.model)
     set_threads(args.threads)
     report: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "drafter_dtype": args.drafter_dtype,
@@ -391,24 +392,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="drafter checkpoint directory")
     add_target_argument(parser, from_drafter=True)
     parser.add_argument("--cache", help="held-out hidden-state cache for offline τ, acceptance and calibration")
-    parser.add_argument("--max-anchors", type=int, default=10_000, help="offline: blocks per sample (default: all)")
-    parser.add_argument("--max-samples", type=int, default=None, help="offline: only the first N cache samples")
+    parser.add_argument("--max-anchors", type=positive_int, default=10_000, help="offline: blocks per sample (default: all)")
+    parser.add_argument("--max-samples", type=positive_int, default=None, help="offline: only the first N cache samples")
     parser.add_argument("--prompts", nargs="+", default=list(DEFAULT_PROMPT_SOURCES),
                         help="online prompt sources: chitchat, chatterbot or JSONL paths (default: chitchat)")
     parser.add_argument("--split", default="test", choices=["train", "validation", "test", "all"],
                         help="split the online prompts come from (default: test, never trained on)")
-    parser.add_argument("--num-prompts", type=int, default=8, help="online prompts (0 = offline only)")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--batch-size", type=int, default=1,
+    parser.add_argument("--num-prompts", type=non_negative_int, default=8, help="online prompts (0 = offline only)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
+    parser.add_argument("--batch-size", type=positive_int, default=1,
                         help="online: prompts per generate call, left-padded (batched speculation; default 1)")
     parser.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=["greedy", "sample"],
                         help="online decoding modes (sample = T=1)")
-    parser.add_argument("--confidence-threshold", type=float, default=None,
+    parser.add_argument("--confidence-threshold", type=probability, default=None,
                         help="online: confidence-scheduled block length (default: the drafter's generation_config)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="online: the target's dtype")
     parser.add_argument("--drafter-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="online: the drafter's dtype (default bf16 whatever the target's, as from_pretrained loads it)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--plots", help="directory for acceptance.png and reliability.png")
     add_progress_argument(parser)
     parser.add_argument("--json", nargs="?", const="-", default=None,

@@ -21,18 +21,19 @@ from .remote_code.profiling_dspark import (
     store_verify_profile,
     verify_profile_path,
 )
+from .flags import positive_int
 from .progress import timed
 from .reporting import emit_report, machine_description
-from .targets import add_target_argument, load_target, load_target_model
+from .targets import add_target_argument, check_drafter_dir, load_target, load_target_model
 
 RECOMMEND_DTYPES = ("float32", "bfloat16")
 
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
+    if args.drafter:
+        check_drafter_dir(args.drafter, "--drafter")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.max_drafts < 1:
-        raise ValueError(f"--max-drafts must be at least 1 (got {args.max_drafts}); use the drafter's block size - 1.")
     target = load_target_model(args.target, dtype=args.dtype, device=args.device)
     with timed(f"profile: measuring t(k) for k = 0..{args.max_drafts} at contexts {args.contexts}"):
         measured = measure_verify_profile(target, args.max_drafts, tuple(args.contexts), args.repeats)
@@ -74,7 +75,7 @@ def recommend(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"target": target_dtype, "drafter": None,
                          "tokens_per_s": _tokens_per_s(target, prompts, args.recommend_tokens)})
             for drafter_dtype in RECOMMEND_DTYPES:
-                drafter = load_drafter(args.drafter, target, getattr(torch, drafter_dtype))
+                drafter = load_drafter(args.drafter, target, getattr(torch, drafter_dtype), flag="--drafter")
                 drafter.generation_config.dspark_drafter_dtype = "as-loaded"
                 rows.append({"target": target_dtype, "drafter": drafter_dtype, "tokens_per_s": _tokens_per_s(
                     target, prompts, args.recommend_tokens, assistant_model=drafter)})
@@ -137,17 +138,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_target_argument(parser, default="smollm2")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="cpu", help="device to measure on (cpu, cuda, ...)")
-    parser.add_argument("--max-drafts", type=int, default=7, help="largest k measured (the drafter's block size - 1)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512], help="context lengths measured")
-    parser.add_argument("--repeats", type=int, default=4, help="timed repetitions per (context, k)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (part of a CPU profile's identity)")
-    parser.add_argument("--batch-sizes", type=int, nargs="*", default=None, metavar="B",
+    parser.add_argument("--max-drafts", type=positive_int, default=7, help="largest k measured (the drafter's block size - 1)")
+    parser.add_argument("--contexts", type=positive_int, nargs="+", default=[128, 512], help="context lengths measured")
+    parser.add_argument("--repeats", type=positive_int, default=4, help="timed repetitions per (context, k)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (part of a CPU profile's identity)")
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="*", default=None, metavar="B",
                         help="also measure the batch axis t(B, w) at these batch sizes, e.g. 1 4 16 (batched generation)")
     parser.add_argument("--drafter", default=None, metavar="DIR",
                         help="also time plain generate and this drafter for each target dtype × drafter dtype and end "
                         "with the recommendation (the fastest drafter dtype per target dtype is stored and used)")
-    parser.add_argument("--recommend-prompts", type=int, default=3, help="chat test prompts timed per pair (default: 3)")
-    parser.add_argument("--recommend-tokens", type=int, default=48, help="new tokens per prompt (default: 48)")
+    parser.add_argument("--recommend-prompts", type=positive_int, default=3, help="chat test prompts timed per pair (default: 3)")
+    parser.add_argument("--recommend-tokens", type=positive_int, default=48, help="new tokens per prompt (default: 48)")
     parser.add_argument("--json", nargs="?", const="-", default=None, help="also write the report as JSON (file or '-')")
 
 

@@ -9,9 +9,11 @@ send them.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from .data import load_conversations, split_conversations
+from .data import load_conversations, split_conversations, split_summary
 
 DEFAULT_PROMPT_SOURCES = ("chitchat",)
 
@@ -49,8 +51,11 @@ def domain_prompts(spec: str, split: str, limit: int) -> list[list[dict]]:
     chosen_split, _, turns = rest.partition(":")
     chosen_split, turns = chosen_split or split, int(turns or 1)
     prompts = conversation_prompts(source, chosen_split, limit, turns)
+    fix = f"--split validation or --prompts {source}:validation (also never trained on)"
     if not prompts:
-        raise ValueError(f"no prompts with {turns} user turn(s) in the {chosen_split!r} split of {source}; pass another --prompts source.")
+        raise ValueError(f"no prompts with {turns} user turn(s) in the {chosen_split!r} split of {_sizes(source)}; "
+                         f"pass {fix}, or another --prompts source.")
+    _say_if_short(prompts, limit, chosen_split, source, fix)
     return prompts
 
 
@@ -63,9 +68,26 @@ def held_out_prompts(sources=DEFAULT_PROMPT_SOURCES, split: str = "test", limit:
         for prompts in per_source:
             if i < len(prompts) and len(out) < limit:
                 out.append(prompts[i])
+    names = ", ".join(map(str, sources))
     if not out:
-        raise ValueError(f"no prompts with a user turn in the {split!r} split of {', '.join(map(str, sources))}; pass another --prompts source.")
+        raise ValueError(f"no prompts with a user turn in the {split!r} split of {'; '.join(map(_sizes, sources))}; "
+                         "pass --split validation (also never trained on), or another --prompts source.")
+    _say_if_short(out, limit, split, names, "--split validation (also never trained on)")
     return out
+
+
+def _sizes(source) -> str:
+    """`source` with its split sizes, for the line that says a split is too small."""
+    conversations = load_conversations(source)
+    return split_summary(conversations, source) if conversations else f"{source} (empty)"
+
+
+def _say_if_short(prompts: list, limit: int, split: str, source, fix: str) -> None:
+    """One line on stderr when a split holds fewer prompts than asked: the run goes on with those, and says how to
+    get more."""
+    if split != "all" and len(prompts) < limit:
+        print(f"prompts: the {split!r} split of {source} holds {len(prompts)} of the {limit} prompts asked; measuring "
+              f"those (for more, pass {fix})", file=sys.stderr)
 
 
 def encode_prompt(tokenizer, messages: list[dict], device="cpu") -> dict[str, torch.Tensor]:

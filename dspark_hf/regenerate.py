@@ -20,12 +20,13 @@ import hashlib
 import json
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from .flags import non_negative_float, non_negative_int, nucleus_mass, positive_float, positive_int, seed
 from .progress import add_progress_argument, progress as progress_bar
 from .targets import input_device
 
@@ -284,7 +285,9 @@ def _check_conversations(conversations: list[dict]) -> None:
     check_dataset(conversations, need_assistant=False)
     ids = [c["id"] for c in conversations]
     if len(set(ids)) != len(ids):
-        raise ValueError("conversation ids are not unique, so a restart could not tell which are done; give each record a unique `id`")
+        repeated = Counter(ids).most_common(1)[0][0]
+        raise ValueError(f"conversation ids are not unique ({len(ids) - len(set(ids))} repeats, e.g. {repeated!r}), so a "
+                         "restart could not tell which are done; drop the repeats or give each record a unique `id`")
 
 
 def _prompt_budget(max_length: int | None, max_new_tokens: int) -> int | None:
@@ -446,18 +449,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_target_argument(parser, required=True)
     add_dataset_arguments(parser, "regenerate", flags=("--input", "--dataset"))
     parser.add_argument("--output", required=True, help="output JSONL (appended to; ids already present are skipped)")
-    parser.add_argument("--max-turns", type=int, default=None, help="keep at most this many user turns per conversation")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per assistant turn (default: 256)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (default: 1.0)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    parser.add_argument("--max-length", type=int, default=None,
+    parser.add_argument("--max-turns", type=positive_int, default=None, help="keep at most this many user turns per conversation")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens per assistant turn (default: 256)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default), > 0 samples")
+    parser.add_argument("--top-p", type=nucleus_mass, default=1.0, help="nucleus sampling mass when sampling (default: 1.0)")
+    parser.add_argument("--seed", type=seed, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--max-length", type=positive_int, default=None,
                         help="token budget of prompt + reply; older turns are dropped to fit, the system turn kept "
                              "(default: the target's context length; with --server: unbounded, the server's own limit)")
-    parser.add_argument("--batch-size", type=int, default=None,
+    parser.add_argument("--batch-size", type=positive_int, default=None,
                         help="conversations per generate call (default: 8, or 1 for multi-turn data, where each "
                              "conversation's KV cache is reused across its turns)")
-    parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
+    parser.add_argument("--max-batch-tokens", type=positive_int, default=DEFAULT_MAX_BATCH_TOKENS,
                         help="padded prompt tokens per generate call (rows x longest prompt): a batch is split by "
                              f"prompt length to stay within it; a longer prompt goes alone (default: {DEFAULT_MAX_BATCH_TOKENS})")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype (default: float32)")
@@ -471,21 +474,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="base URL of an OpenAI-compatible server (vLLM, SGLang, TGI), e.g. http://localhost:8000; "
                              "turns are sent to URL/v1/chat/completions")
     server.add_argument("--model-name", default=None, help="the `model` of each request (default: --target)")
-    server.add_argument("--concurrency", type=int, default=8, help="conversations in flight at once (default: 8)")
-    server.add_argument("--retries", type=int, default=5,
+    server.add_argument("--concurrency", type=positive_int, default=8, help="conversations in flight at once (default: 8)")
+    server.add_argument("--retries", type=non_negative_int, default=5,
                         help="retries of a request after a connection error, 429 or 5xx, with exponential backoff (default: 5)")
-    server.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for one reply (default: 600)")
+    server.add_argument("--request-timeout", type=positive_float, default=600.0, help="seconds to wait for one reply (default: 600)")
     add_progress_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from .data import load_selected_conversations
-    from .targets import load_target, placement_from_args
+    from .targets import check_drafter_dir, load_target, placement_from_args
 
-    if args.max_batch_tokens < 1:
-        raise ValueError(f"--max-batch-tokens {args.max_batch_tokens} is below 1; pass a padded-token budget such as 8192")
+    if args.drafter and not args.server:
+        check_drafter_dir(args.drafter, "--drafter")
+
     conversations = load_selected_conversations(args.dataset, args.split, args.limit, need_assistant=False,
-                                                messages_column=args.messages_column)
+                                                messages_column=args.messages_column, unique_ids=True,
+                                                log=lambda line: print(f"regenerate: {line}"))
     if args.max_turns is not None:
         conversations = [_first_user_turns(c, args.max_turns) for c in conversations]
     placement = placement_from_args(args)
@@ -521,10 +526,8 @@ def _run_through_server(args: argparse.Namespace, conversations: list[dict]) -> 
     from .targets import load_target_tokenizer
     from .serving import ChatServer
 
-    if args.concurrency < 1:
-        raise ValueError(f"--concurrency {args.concurrency} is below 1; pass --concurrency 8 (or how many the server batches)")
     tokenizer = load_target_tokenizer(args.target) if args.max_length else None  # to bound the history as locally
-    server = ChatServer(args.server, args.model_name or args.target, retries=max(args.retries, 0),
+    server = ChatServer(args.server, args.model_name or args.target, retries=args.retries,
                         timeout=args.request_timeout, concurrency=args.concurrency)
     try:
         return regenerate_through_server(

@@ -32,15 +32,32 @@ PLANNED_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # the maps 
 
 
 # ------------------------------------------------------------------------------------------------------------ names
+DRAFTER_HINT = "a drafter directory (the drafter/ folder `dspark-hf train` writes, or one `dspark-hf convert` made)"
+
+
+def check_drafter_dir(drafter_dir: str | os.PathLike, flag: str = "--model") -> dict:
+    """The config of a DSpark drafter directory, or one line saying what `drafter_dir` is instead (missing, no
+    config.json, a target or another model) before transformers reports a field of the wrong config."""
+    path = Path(drafter_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"drafter {drafter_dir} does not exist; pass {flag} {DRAFTER_HINT}")
+    config = path / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"drafter {drafter_dir} has no config.json; pass {flag} {DRAFTER_HINT}")
+    fields = json.loads(config.read_text())
+    model_type = fields.get("model_type")
+    if model_type != "dspark":
+        what = f"is a {model_type} model, not a DSpark drafter" if model_type else "is not a DSpark drafter (no model_type)"
+        raise ValueError(f"{drafter_dir} {what}; pass {flag} {DRAFTER_HINT}, and a target as --target")
+    return fields
+
+
 def resolve_target(target: str | None, drafter_dir: str | os.PathLike) -> str:
     """The target a drafter was trained for: `target` when given, else the verifier its config records (written by
     `dspark-hf train` from `--target`), so `eval`/`bench` never load a model the drafter does not fit."""
+    recorded = check_drafter_dir(drafter_dir).get("verifier_name_or_path")
     if target:
         return target
-    config = Path(drafter_dir) / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"drafter {drafter_dir} has no config.json; pass --model a drafter directory (e.g. the output of `dspark-hf train`)")
-    recorded = json.loads(config.read_text()).get("verifier_name_or_path")
     if not recorded:
         raise ValueError(f"drafter {drafter_dir} does not record its target (no verifier_name_or_path in config.json); pass --target")
     return str(recorded)
@@ -69,6 +86,8 @@ def _target_location(name_or_path: str) -> str:
         raise FileNotFoundError(f"target {name_or_path} does not exist; pass a model directory, a .gguf file, a Hub id (org/name) or `smollm2`") from None
     if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
         return name_or_path
+    if "/" not in name_or_path:  # a typo of an alias or of a path, rather than an org/name to download
+        raise FileNotFoundError(f"target {name_or_path} does not exist; {_nearest_target_hint(name_or_path)}")
     hint = f"download it first (`hf download {name_or_path}`) or pass a local model directory or .gguf file"
     if is_offline_mode():
         raise FileNotFoundError(f"target {name_or_path} is neither a local directory nor in the Hugging Face cache (HF_HUB_OFFLINE is set); {hint}")
@@ -77,6 +96,16 @@ def _target_location(name_or_path: str) -> str:
     except Exception as error:  # not found, gated, or no network: all end the same way for the user
         raise FileNotFoundError(f"target {name_or_path} is not a local directory, not in the Hugging Face cache and not reachable on the Hub ({type(error).__name__}); {hint}") from None
     return name_or_path
+
+
+def _nearest_target_hint(name: str) -> str:
+    """What to pass instead of a bare name that is no folder, file or cached model: the alias it misspells, if any."""
+    import difflib
+
+    close = difflib.get_close_matches(name.lower(), SMOLLM2_ALIASES[:1], n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {close[0]}? (or pass a model directory, a .gguf file or a Hub id org/name)"
+    return "pass a model directory, a .gguf file, a Hub id (org/name) or `smollm2`"
 
 
 def _location_and_name(name_or_path: str) -> tuple[str, str | None]:
@@ -360,6 +389,7 @@ __all__ = [
     "TARGET_HELP",
     "add_placement_arguments",
     "add_target_argument",
+    "check_drafter_dir",
     "input_device",
     "load_target",
     "load_target_config",

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from .cache import HiddenStateCache
 from .data import load_conversations, split_conversations
+from .flags import positive_int
 from .progress import add_progress_argument, progress as progress_bar
 from .tokenization import tokenize_conversations
 from .targets import add_target_argument, load_target_config, load_target_tokenizer
@@ -111,9 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--cache", help="hidden-state cache directory (from `dspark-hf cache`)")
     source.add_argument("--dataset", help="JSONL dataset or `chitchat` / `chatterbot` (needs --target for the tokenizer)")
     add_target_argument(parser)  # its tokenizer and chat template tokenize --dataset
-    parser.add_argument("--draft-vocab-size", type=int, help="V_d, the number of draft tokens (e.g. 32000)")
+    parser.add_argument("--draft-vocab-size", type=positive_int, help="V_d, the number of draft tokens (e.g. 32000)")
     parser.add_argument("--full", action="store_true", help="full-vocabulary mode: d2t zeros, t2d all true")
-    parser.add_argument("--max-length", type=int, default=2048, help="truncation when tokenizing --dataset (default: 2048)")
+    parser.add_argument("--max-length", type=positive_int, default=2048, help="truncation when tokenizing --dataset (default: 2048)")
     parser.add_argument("--output", required=True, help="output safetensors file with d2t and t2d")
     add_progress_argument(parser)
 

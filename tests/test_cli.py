@@ -56,8 +56,10 @@ def test_an_empty_split_names_the_split_and_the_flags(tiny_dir, tmp_path, capsys
         err = capsys.readouterr().err.strip()
         assert rc == 1 and len(err.splitlines()) == 1
         assert f"the 'validation' split of {data} is empty" in err and "--split all" in err
-    rc = cli.main(["regenerate", "--input", str(data), "--target", str(tiny_dir), "--output", str(tmp_path / "o.jsonl"), "--limit", "0"])
-    assert rc == 1 and "--limit 0 selects no conversations" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["regenerate", "--input", str(data), "--target", str(tiny_dir), "--output", str(tmp_path / "o.jsonl"),
+                  "--limit", "0"])
+    assert refused.value.code == 2 and "argument --limit: takes a whole number of 1 or more" in capsys.readouterr().err
 
 
 def _env() -> dict:
@@ -110,8 +112,10 @@ def test_bad_targets_and_outputs_are_one_line_in_process(tiny_dir, prompts, tmp_
     data = _write(tmp_path / "d.jsonl", _records_of_split("train", 1))
     assert "a file stands where a directory is needed; pass another --output" in fails(
         "cache", "--target", str(tiny_dir), "--dataset", str(data), "--output", str(blocker / "cache"), "--aux-layers", "1,2")
-    for command in ("eval", "bench"):
-        assert "--batch-size must be at least 1 (got 0)" in fails(command, "--model", str(tmp_path), "--batch-size", "0")
+    assert "a file stands where a directory is needed; pass another --output-dir" in fails(
+        "train", "--train-cache", str(tmp_path), "--output-dir", str(blocker))
+    assert "target smolm2 does not exist; did you mean smollm2?" in fails(
+        "regenerate", "--target", "smolm2", "--input", str(prompts), *out)
     monkeypatch.setenv("DSPARK_HF_DEBUG", "1")  # the environment variable shows the traceback too
     with pytest.raises(FileNotFoundError, match="missing/target does not exist"):
         cli.main(["regenerate", "--target", "./missing/target", "--input", str(prompts), *out])
@@ -179,3 +183,56 @@ def test_a_relative_target_directory_is_recorded_absolute(tiny_dir, tmp_path, mo
     recorded = resolve_target(None, tmp_path / "drafter")
     assert recorded == str(tiny_dir) and load_target_model(recorded).config.num_hidden_layers == 2
     assert load_target_heads("smollm2").name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+# Every flag value of the wrong type, sign or range: one line naming the flag and what it takes, exit status 2,
+# before anything is loaded or written (the output path below never appears).
+WRONG_VALUES = [
+    ("train", "--batch-size", "0"), ("train", "--learning-rate", "nan"), ("train", "--lora-dropout", "1"),
+    ("train", "--seed", "-1"), ("train", "--aux-layers", "1,x"), ("regenerate", "--batch-size", "0"),
+    ("regenerate", "--top-p", "2"), ("regenerate", "--temperature", "-1"), ("regenerate", "--max-new-tokens", "many"),
+    ("cache", "--aux-layers", "a,b"), ("cache", "--shard-size", "0"), ("vocab", "--draft-vocab-size", "-5"),
+    ("eval", "--batch-size", "0"), ("eval", "--confidence-threshold", "high"), ("bench", "--repetitions", "0"),
+    ("calibrate", "--draws", "0"), ("profile", "--contexts", "0"),
+]
+REQUIRED = {
+    "train": ["--train-cache", "c", "--output-dir", "{out}"], "regenerate": ["--target", "t", "--input", "d", "--output", "{out}"],
+    "cache": ["--target", "t", "--dataset", "d", "--output", "{out}"], "vocab": ["--cache", "c", "--output", "{out}"],
+    "eval": ["--model", "m", "--plots", "{out}"], "bench": ["--model", "m", "--plots", "{out}"],
+    "calibrate": ["--model", "m", "--cache", "c", "--output-dir", "{out}"], "profile": ["--json", "{out}"],
+}
+
+
+@pytest.mark.parametrize("command, flag, value", WRONG_VALUES)
+def test_a_flag_value_of_the_wrong_kind_is_one_line_before_any_work(command, flag, value, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = [a.format(out=out) for a in REQUIRED[command]]
+    with pytest.raises(SystemExit) as refused:
+        cli.main([command, *args, flag, value])
+    err = capsys.readouterr().err.strip()
+    assert refused.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"dspark-hf {command}: error: argument {flag}: takes ") and repr(value) in err, err
+    assert not out.exists()
+
+
+def test_a_usage_error_is_one_line_that_points_at_help(capsys):
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["regenerate", "--target", "smollm2"])
+    err = capsys.readouterr().err.strip()
+    assert refused.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "the following arguments are required: --input/--dataset, --output" in err and "dspark-hf regenerate --help" in err
+
+
+def test_a_train_that_fails_before_its_first_step_leaves_no_output_directory(tmp_path, capsys):
+    out = tmp_path / "runs" / "dspark"
+    assert cli.main(["train", "--train-cache", str(tmp_path / "no-cache"), "--output-dir", str(out), "--report-to", "none"]) == 1
+    assert "no-cache" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_target_folder_passed_as_the_drafter_says_so(tiny_dir, tmp_path, capsys):
+    for command in (["calibrate", "--cache", str(tmp_path)], ["eval"], ["bench"]):
+        assert cli.main([*command, "--model", str(tiny_dir)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert f"{tiny_dir} is a llama model, not a DSpark drafter; pass --model a drafter directory" in err, err
+        assert "a target as --target" in err and "mask_token_id" not in err

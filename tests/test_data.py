@@ -310,6 +310,10 @@ def test_every_dataset_format_reads_the_same_conversations(tmp_path):
         assert load_conversations(tmp_path / source) == convs, source
     assert load_conversations(tmp_path / "saved", hub_split="test") == convs[:3]
     assert load_conversations(tmp_path / "dialog.parquet", messages_column="dialog") == convs
+    (tmp_path / "dialog.jsonl").write_text("".join(json.dumps({"id": c["id"], "dialog": c["messages"]}) + "\n" for c in convs))
+    assert load_conversations(tmp_path / "dialog.jsonl", messages_column="dialog") == convs  # JSONL reads it too
+    with pytest.raises(ValueError, match=r"dialog.jsonl:1: no 'turns' key \(keys: dialog, id\); pass --messages-column"):
+        load_conversations(tmp_path / "dialog.jsonl", messages_column="turns")
 
 
 def shutil_copy_arrow(table, path) -> None:
@@ -361,8 +365,10 @@ def test_dataset_problems_are_one_line(tmp_path):
     (tmp_path / "mixed" / "b.parquet").write_bytes((tmp_path / "plain.parquet").read_bytes())
     with pytest.raises(ValueError, match="mixes .jsonl, .parquet files"):
         load_conversations(tmp_path / "mixed")
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_conversations(tmp_path / "missing.parquet")
+    for missing in ("missing.parquet", "missing.jsonl"):
+        with pytest.raises(FileNotFoundError, match="does not exist; pass an existing JSONL, Parquet, .* file, a folder "
+                                                    r"of them, a built-in corpus \(chitchat, .*\) or a Hub dataset id"):
+            load_conversations(tmp_path / missing)
     (tmp_path / "chat.txt").write_text("hi")
     with pytest.raises(ValueError, match="unknown suffix"):
         load_conversations(tmp_path / "chat.txt")
@@ -381,3 +387,43 @@ def test_cli_reads_parquet_and_names_a_bad_column(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "pass --messages-column NAME" in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_repeated_prompt_without_an_id_is_refused_naming_its_lines(tmp_path, capsys):
+    """A record without an `id` is keyed by its turns, so a prompt that appears twice repeats its key: regenerate
+    refuses the whole file (whatever --split and --limit pick) naming the lines, before any target loads."""
+    from dspark_hf import cli
+
+    prompts = ["What is a cat?", "Name a colour.", "What is a cat?", "Say hi.", "Name a colour."]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in prompts))
+    for limit in ("1", "5"):
+        assert cli.main(["regenerate", "--target", "no-such-model", "--input", str(path), "--output",
+                         str(tmp_path / "out.jsonl"), "--limit", limit]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert (f"2 conversations of {path} repeat an earlier one's id ({path}:3 repeats {path}:1, {path}:5 repeats "
+                f"{path}:2; a record without an \"id\" is keyed by its turns)") in err, err
+        assert "drop the repeats or give each record a unique \"id\"" in err and not (tmp_path / "out.jsonl").exists()
+
+
+def test_the_split_shares_are_printed_and_a_small_test_split_names_the_fix(tmp_path, capsys):
+    from dspark_hf.data import TEST_SHARE, VALIDATION_SHARE, load_selected_conversations
+    from dspark_hf.prompts import domain_prompts, held_out_prompts
+
+    assert VALIDATION_SHARE == TEST_SHARE == 0.02  # docs/training.md states them
+    ids = [i for i in (f"c{n}" for n in range(10_000)) if split_of(i) != "test"][:100]
+    path = tmp_path / "prompts.jsonl"
+    write_jsonl(path, [{"id": i, "messages": [{"role": "user", "content": f"Tell me about {i}."}]} for i in ids])
+    validation = sum(split_of(i) == "validation" for i in ids)
+    load_selected_conversations(path, "train", need_assistant=False, log=print)
+    assert capsys.readouterr().out.strip() == (f"{path}: 100 conversations, {100 - validation} train / {validation} "
+                                               "validation / 0 test (the hash of each id sends 96% / 2% / 2% of them)")
+    with pytest.raises(ValueError, match=r"no prompts with a user turn in the 'test' split of .*prompts.jsonl: 100 "
+                                         r"conversations, .* 0 test .*; pass --split validation"):
+        held_out_prompts([str(path)], "test", 8)
+    with pytest.raises(ValueError, match=rf"pass --split validation or --prompts {path}:validation"):
+        domain_prompts(str(path), "test", 8)
+    assert len(domain_prompts(f"{path}:validation", "test", 8)) == min(validation, 8)
+    if validation < 8:
+        assert f"holds {validation} of the 8 prompts asked" in capsys.readouterr().err

@@ -433,3 +433,23 @@ def test_export_writes_bound_embeddings_from_the_target(target, tmp_path):
     assert torch.equal(exported.embed_tokens.weight, target.get_input_embeddings().weight)
     assert torch.equal(exported.lm_head.weight, target.lm_head.weight[drafter.draft_to_target_ids])
     assert_same_drafts(drafter, exported)
+
+
+def test_rerunning_a_finished_export_or_conversion_is_a_no_op_that_says_so(target, tmp_path, capsys):
+    drafter = make_drafter(target, draft_vocab_size=40, bind_target_embeddings=False)
+    drafter.save_pretrained(tmp_path / "trained")
+    export_args = ["export", str(tmp_path / "trained"), str(tmp_path / "exported"), "--verifier", "tiny/qwen3",
+                   "--no-progress"]
+    assert cli_main(export_args) == 0
+    written = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "exported").iterdir()}
+    assert cli_main(export_args) == 0
+    assert f"already holds this export of {tmp_path / 'trained'}; nothing to do" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "exported").iterdir()} == written
+    assert cli_main([*export_args, "--dtype", "float32"]) == 1  # other settings: refused, the export kept
+    assert "exported holds another export (other files than this command writes); choose a new output directory" in (
+        capsys.readouterr().err)
+    source = write_zlab(tmp_path / "zlab", make_drafter(target, markov_rank=0, enable_confidence_head=False))
+    convert_args = ["convert", "--from", "zlab-dflash", str(source), str(tmp_path / "converted")]
+    assert cli_main(convert_args) == 0 and cli_main(convert_args) == 0
+    assert "already holds this conversion" in capsys.readouterr().out
+    assert not list(tmp_path.glob(".*partial*"))  # no staging folder left behind

@@ -185,10 +185,12 @@ def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path, capsys):
 
     capsys.readouterr()  # the runs' own output
 
-    assert cli.main(["train", "--train-cache", every.train_cache, "--output-dir", str(tmp_path / "zero"),
-                     "--save-total-limit", "0"]) == 1
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["train", "--train-cache", every.train_cache, "--output-dir", str(tmp_path / "zero"),
+                  "--save-total-limit", "0"])
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--save-total-limit 0 would delete every checkpoint" in err, err
+    assert refused.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "argument --save-total-limit: takes a whole number of 1 or more, not '0'" in err and not (tmp_path / "zero").exists()
 
 
 DDP_TOLERANCE = 1e-4  # max |Δweight| after 15 steps: gloo all-reduce vs sequential accumulation, fp32 sum order

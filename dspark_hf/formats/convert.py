@@ -15,7 +15,7 @@ import torch
 
 from .deepspec import read_deepspec
 from .speculators import read_speculators
-from .toolkit import DraftCheckpoint, write_checkpoint
+from .toolkit import DraftCheckpoint, write_checkpoint, write_output
 from .zlab import read_zlab_dflash
 
 READERS: dict[str, Callable[[str | Path], DraftCheckpoint]] = {
@@ -33,15 +33,19 @@ def read_checkpoint(source: str | Path, source_format: str) -> DraftCheckpoint:
     return READERS[source_format](source)
 
 
-def convert(source: str | Path, destination: str | Path, source_format: str, dtype: str = "auto") -> Path:
-    """Read `source` in `source_format`, check it, and write it to `destination` in this project's layout."""
+def convert(source: str | Path, destination: str | Path, source_format: str, dtype: str = "auto", log=print) -> Path:
+    """Read `source` in `source_format`, check it, and write it to `destination` in this project's layout; a
+    `destination` that already holds this conversion is left as it is (`log` says so)."""
     destination = Path(destination)
-    if destination.exists() and any(destination.iterdir()):
-        raise FileExistsError(f"{destination} is not empty; choose a new output directory.")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
+    if destination.exists() and any(destination.iterdir()) and not (destination / "config.json").is_file():
+        raise FileExistsError(f"{destination} is not empty; choose a new output directory.")  # before any work
     checkpoint = read_checkpoint(source, source_format)
-    return write_checkpoint(checkpoint, destination, dtype=DTYPES[dtype])
+    written = write_output(destination, lambda folder: write_checkpoint(checkpoint, folder, dtype=DTYPES[dtype]), "conversion")
+    log(f"convert: wrote {destination} (see conversion.json for the translated conventions)" if written
+        else f"convert: {destination} already holds this conversion of {source}; nothing to do")
+    return destination
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -52,8 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def run(args: argparse.Namespace) -> int:
-    destination = convert(args.source, args.destination, args.source_format, dtype=args.dtype)
-    print(f"wrote {destination} (see conversion.json for the translated conventions)")
+    convert(args.source, args.destination, args.source_format, dtype=args.dtype)
     return 0
 
 

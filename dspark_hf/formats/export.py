@@ -18,7 +18,7 @@ from ..progress import add_progress_argument, progress as progress_bar
 from ..targets import add_target_argument, load_target_heads
 from .convert import DTYPES
 from .speculators import read_speculators
-from .toolkit import DraftCheckpoint, write_checkpoint
+from .toolkit import DraftCheckpoint, write_checkpoint, write_output
 
 FORMATS = ("speculators",)
 
@@ -52,16 +52,18 @@ def export(
     dtype: str = "bfloat16",
     format: str = "speculators",
     progress: bool = True,
+    log=print,
 ) -> Path:
     """Export `source` (this project's layout) to `destination`; `target` is a loaded model or a path to bind from.
-    `progress`: a bar over its three steps (read, bind, write), else log lines."""
+    `progress`: a bar over its three steps (read, bind, write), else log lines. A `destination` that already holds
+    this very export is left as it is, and `log` says so: rerunning a finished export is a no-op."""
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; use one of {', '.join(FORMATS)}.")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
     destination = Path(destination)
-    if destination.exists() and any(destination.iterdir()):
-        raise FileExistsError(f"{destination} is not empty; choose a new output directory.")
+    if destination.exists() and any(destination.iterdir()) and not (destination / "config.json").is_file():
+        raise FileExistsError(f"{destination} is not empty; choose a new output directory.")  # before any work
     bar = progress_bar(total=3, desc="export", unit="step", enabled=progress)
     checkpoint = read_speculators(source)
     bar.update()
@@ -84,10 +86,12 @@ def export(
     # The source is already in this layout: keep only the record of an earlier conversion into it, if any.
     record = Path(source) / "conversion.json"
     checkpoint.conversion = json.loads(record.read_text()) if record.is_file() else {}
-    written = write_checkpoint(checkpoint, destination, dtype=DTYPES[dtype])
+    written = write_output(destination, lambda folder: write_checkpoint(checkpoint, folder, dtype=DTYPES[dtype]), "export")
     bar.update()
     bar.close()
-    return written
+    log(f"export: wrote {destination} (speculators/vLLM layout)" if written
+        else f"export: {destination} already holds this export of {source}; nothing to do")
+    return destination
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -113,7 +117,6 @@ def run(args: argparse.Namespace) -> int:
         format=args.format,
         progress=not args.no_progress,
     )
-    print(f"wrote {destination} (speculators/vLLM layout)")
     return 0
 
 

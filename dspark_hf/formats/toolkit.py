@@ -9,8 +9,12 @@ shapes come from the model file (`expected_tensor_shapes`), so the check and the
 
 from __future__ import annotations
 
+import filecmp
 import json
+import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,6 +255,44 @@ def write_checkpoint(checkpoint: DraftCheckpoint, directory: str | Path, dtype: 
     return directory
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Writing an output directory once: a rerun of the same command finds it finished and leaves it
+
+
+def write_output(destination: str | Path, write, what: str) -> bool:
+    """`write(folder)` into a temporary folder beside `destination`, then renamed into place, so a killed run leaves
+    no directory that looks finished. A `destination` that already holds exactly those files is left as it is
+    (False: nothing to do, so rerunning a finished `export` or `convert` is a no-op); one that holds anything else is
+    refused (`what` names the output in that line)."""
+    destination = Path(destination)
+    occupied = destination.exists() and (not destination.is_dir() or any(destination.iterdir()))
+    if occupied and not (destination / "config.json").is_file():
+        raise FileExistsError(f"{destination} is not empty; choose a new output directory.")
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.partial-"))
+    try:
+        write(staging)
+        if occupied:
+            if _same_files(staging, destination):
+                return False
+            raise FileExistsError(f"{destination} holds another {what} (other files than this command writes); choose a "
+                                  "new output directory, or delete it to write it again.")
+        if destination.is_dir():
+            destination.rmdir()  # empty
+        os.replace(staging, destination)
+        return True
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _same_files(left: Path, right: Path) -> bool:
+    """Whether two folders hold the same file names with the same bytes."""
+    names = sorted(str(p.relative_to(left)) for p in left.rglob("*") if p.is_file())
+    if names != sorted(str(p.relative_to(right)) for p in right.rglob("*") if p.is_file()):
+        return False
+    return all(filecmp.cmp(left / name, right / name, shallow=False) for name in names)
+
+
 __all__ = [
     "BOUND_TENSORS",
     "DraftCheckpoint",
@@ -267,4 +309,5 @@ __all__ = [
     "rope_parameters_of",
     "strip_wrapper_prefix",
     "write_checkpoint",
+    "write_output",
 ]

@@ -29,6 +29,7 @@ Output directory layout:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -254,6 +255,20 @@ def claim_output_dir(accelerator, output_dir: Path) -> FileLock | None:
     return lock
 
 
+@contextlib.contextmanager
+def removed_if_setup_fails(accelerator, new_output_dir: Path | None, lock: FileLock | None):
+    """A run that fails before its first step (a bad cache, a drafter that does not fit, a bad value from Python)
+    leaves no output directory behind when it made a new one: nothing in it could be resumed."""
+    try:
+        yield
+    except BaseException:
+        if new_output_dir is not None and accelerator.is_main_process:
+            if lock is not None:
+                lock.release()
+            shutil.rmtree(new_output_dir, ignore_errors=True)
+        raise
+
+
 # ----------------------------------------------------------------------------------------------------------- setup
 def make_accelerator(args: TrainingArguments, output_dir: Path) -> Accelerator:
     return Accelerator(
@@ -470,41 +485,44 @@ def train(args: TrainingArguments) -> dict[str, Any]:
     """Train a DSpark drafter on `args.train_cache` (or online, running the target on `args.dataset`); returns the
     final validation metrics and output paths."""
     check_data_source(args)
-    accelerator = make_accelerator(args, Path(args.output_dir))
-    output_lock = claim_output_dir(accelerator, Path(args.output_dir))  # noqa: F841 (held until train returns)
-    set_seed(args.seed)
+    output_dir = Path(args.output_dir)
+    fresh = not output_dir.exists()
+    accelerator = make_accelerator(args, output_dir)
+    output_lock = claim_output_dir(accelerator, output_dir)  # held until train returns
+    with removed_if_setup_fails(accelerator, output_dir if fresh else None, output_lock):
+        set_seed(args.seed)
 
-    # Data: the caches are checked (online: the dataset tokenized, the target loaded) before anything is built.
-    train_cache, *eval_caches = caches = open_caches(accelerator, args)
-    eval_cache = eval_caches[0] if eval_caches else None
-    # Model (built identically on every process; `prepare` wraps it) and the frozen pieces the loss reads.
-    model, head_weight, t2d = make_model(accelerator, args, caches)
-    num_drafts = accelerator.unwrap_model(model).config.num_draft_tokens
-    train_loader, eval_loader = make_loaders(args, train_cache, eval_cache)
+        # Data: the caches are checked (online: the dataset tokenized, the target loaded) before anything is built.
+        train_cache, *eval_caches = caches = open_caches(accelerator, args)
+        eval_cache = eval_caches[0] if eval_caches else None
+        # Model (built identically on every process; `prepare` wraps it) and the frozen pieces the loss reads.
+        model, head_weight, t2d = make_model(accelerator, args, caches)
+        num_drafts = accelerator.unwrap_model(model).config.num_draft_tokens
+        train_loader, eval_loader = make_loaders(args, train_cache, eval_cache)
 
-    # Optimizer, `prepare`, then the schedule (it counts optimizer steps, whatever the world size).
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay
-    )
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    if eval_loader is not None:  # sharded across processes; with DDP the last batch may repeat a few samples
-        eval_loader = accelerator.prepare(eval_loader)
-    steps_per_epoch = max(1, math.ceil(len(train_loader) / args.gradient_accumulation_steps))
-    max_steps = args.max_steps or steps_per_epoch * args.num_epochs
-    scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=max_steps)
-    scheduler = accelerator.prepare(scheduler)
+        # Optimizer, `prepare`, then the schedule (it counts optimizer steps, whatever the world size).
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay
+        )
+        model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+        if eval_loader is not None:  # sharded across processes; with DDP the last batch may repeat a few samples
+            eval_loader = accelerator.prepare(eval_loader)
+        steps_per_epoch = max(1, math.ceil(len(train_loader) / args.gradient_accumulation_steps))
+        max_steps = args.max_steps or steps_per_epoch * args.num_epochs
+        scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=max_steps)
+        scheduler = accelerator.prepare(scheduler)
 
-    # Resume: `load_state` restores everything `save_state` wrote, the loop position included.
-    state = TrainerState()
-    accelerator.register_for_checkpointing(state)
-    if args.resume:
-        resume(accelerator, args, state)
-    start_trackers(accelerator, args)
-    accelerator.print(
-        f"training {sum(p.numel() for p in trainable):,} parameters for {max_steps} steps "
-        f"({accelerator.num_processes} process(es), {len(train_cache)} samples, {num_drafts} drafts per block)"
-    )
+        # Resume: `load_state` restores everything `save_state` wrote, the loop position included.
+        state = TrainerState()
+        accelerator.register_for_checkpointing(state)
+        if args.resume:
+            resume(accelerator, args, state)
+        start_trackers(accelerator, args)
+        accelerator.print(
+            f"training {sum(p.numel() for p in trainable):,} parameters for {max_steps} steps "
+            f"({accelerator.num_processes} process(es), {len(train_cache)} samples, {num_drafts} drafts per block)"
+        )
 
     loop = TrainingLoop(accelerator, args, model, optimizer, scheduler, eval_loader, head_weight, t2d, state, max_steps)
     if eval_loader is not None and args.eval_steps and state.step == 0:
