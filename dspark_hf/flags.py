@@ -2,7 +2,7 @@
 
 Every numeric flag of every subcommand takes one of these types, so `--batch-size 0`, `--temperature -1` or
 `--top-p 2` is refused in one line naming the flag and what it takes (`dspark-hf train: error: argument
---batch-size: takes a whole number of 1 or more, not '0'`), with exit status 2 like any usage error, before a
+--batch-size: takes a whole number of 1 or more, not '0' (see dspark-hf train --help)`), with exit status 2 like any usage error, before a
 target loads or an output directory is made. `OneLineParser` keeps argparse's own usage errors (a missing or unknown
 flag, a bad choice) to that one line too, instead of the full usage block.
 """
@@ -18,7 +18,7 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse with its usage errors on one line: the problem and where to read the flags (exit status 2)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists every flag)\n")
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _number(text: str, kind, what: str):

