@@ -485,13 +485,11 @@ def train(args: TrainingArguments) -> dict[str, Any]:
     """Train a DSpark drafter on `args.train_cache` (or online, running the target on `args.dataset`); returns the
     final validation metrics and output paths."""
     check_data_source(args)
-    output_dir = Path(args.output_dir)
-    fresh = not output_dir.exists()
-    accelerator = make_accelerator(args, output_dir)
-    output_lock = claim_output_dir(accelerator, output_dir)  # held until train returns
-    with removed_if_setup_fails(accelerator, output_dir if fresh else None, output_lock):
+    new_output_dir = None if Path(args.output_dir).exists() else Path(args.output_dir)
+    accelerator = make_accelerator(args, Path(args.output_dir))
+    output_lock = claim_output_dir(accelerator, Path(args.output_dir))  # held until train returns
+    with removed_if_setup_fails(accelerator, new_output_dir, output_lock):
         set_seed(args.seed)
-
         # Data: the caches are checked (online: the dataset tokenized, the target loaded) before anything is built.
         train_cache, *eval_caches = caches = open_caches(accelerator, args)
         eval_cache = eval_caches[0] if eval_caches else None
