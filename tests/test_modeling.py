@@ -81,6 +81,7 @@ def test_save_and_reload_with_trust_remote_code_in_a_fresh_process(tmp_path):
     assert config["auto_map"] == {
         "AutoConfig": "configuration_dspark.DSparkConfig",
         "AutoModel": "modeling_dspark.DSparkForDrafting",
+        "AutoModelForCausalLM": "modeling_dspark.DSparkForDrafting",  # the habit for assistant models
     }
     assert config["model_type"] == "dspark" and config["speculators_model_type"] == "dspark"
     assert config["vocab_size"] == target.config.vocab_size

@@ -22,10 +22,10 @@ from test_generation import (
     sampling_setup,
 )
 
-from dspark_hf import cli
+from dspark_hf import DSparkForDrafting, cli
 from dspark_hf.remote_code import generation_dspark, live_profiling_dspark, modeling_dspark, profiling_dspark
 from dspark_hf.remote_code.live_profiling_dspark import DSparkLiveVerifyProfile
-from dspark_hf.remote_code.generation_dspark import DSparkDraftingSettings
+from dspark_hf.remote_code.settings_dspark import DSparkDraftingSettings
 from dspark_hf.remote_code.profiling_dspark import (
     DSparkVerifyProfile,
     store_verify_profile,
@@ -405,6 +405,56 @@ def test_unknown_schedule_name_fails_clearly():
     drafter.generation_config.dspark_schedule = "fastest"
     with pytest.raises(ValueError, match="dspark_schedule='fastest' is not a DSpark schedule"):
         greedy(target, PROMPTS[0], max_new_tokens=4, assistant_model=drafter)
+
+
+@pytest.mark.parametrize("knob, value, message", [
+    ("dspark_confidence_threshold", "high", "dspark_confidence_threshold='high' is not a probability"),
+    ("dspark_confidence_threshold", 1.5, "dspark_confidence_threshold=1.5 is not a probability"),
+    ("dspark_verify_cost", "x", "dspark_verify_cost='x' is not a cost"),
+    ("dspark_verify_cost", -1.0, "dspark_verify_cost=-1.0 is not a cost"),
+    ("num_assistant_tokens", 0, "num_assistant_tokens=0 is not a number of drafts; use 1 to 5"),
+    ("num_assistant_tokens", -2, "num_assistant_tokens=-2 is not a number of drafts"),
+])
+def test_a_drafting_knob_of_the_wrong_kind_is_one_line_naming_it(knob, value, message):
+    """Before a round runs, one batch row or many: a TypeError or ZeroDivisionError escaped here before."""
+    target = make_tiny_target("llama")
+    drafter = scheduled_drafter(target, [1.0] * 6)
+    setattr(drafter.generation_config, knob, value)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        greedy(target, PROMPTS[0], max_new_tokens=4, assistant_model=drafter)
+    batch = {"input_ids": torch.tensor([PROMPTS[0], PROMPTS[0]])}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        target.generate(**batch, max_new_tokens=4, do_sample=False, pad_token_id=0, assistant_model=drafter)
+
+
+def test_more_drafts_than_the_block_means_the_whole_block():
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    drafter.generation_config.num_assistant_tokens = 20  # transformers' own default for an assistant
+    greedy(target, PROMPTS[0], max_new_tokens=12, eos_token_id=None, assistant_model=drafter)
+    assert max(drafter.last_generation_stats.drafted) == 3
+
+
+def test_every_drafter_drafts_with_the_hardware_schedule_and_lookup_unless_it_says_otherwise(tmp_path):
+    """A new drafter (what train, convert and --init-from make), a checkpoint saved without those keys (as the README
+    pipeline saved them before: {"num_assistant_tokens": 7}) and one without generation_config.json all draft with
+    the shipped defaults; a checkpoint that sets a key keeps it."""
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, schedule="hardware")
+    defaults = {"dspark_schedule": "hardware", "dspark_lookup_ngram_size": 4, "num_assistant_tokens": 3}
+    assert {k: getattr(drafter.generation_config, k) for k in defaults} == defaults
+    assert DSparkDraftingSettings.from_drafter(drafter).hardware
+    drafter.save_pretrained(tmp_path / "new")
+    (tmp_path / "new" / "generation_config.json").write_text('{"num_assistant_tokens": 2}')  # an older save
+    older = DSparkForDrafting.from_pretrained(tmp_path / "new")
+    assert (older.generation_config.dspark_schedule, older.generation_config.dspark_lookup_ngram_size) == ("hardware", 4)
+    assert older.generation_config.num_assistant_tokens == 2
+    (tmp_path / "new" / "generation_config.json").unlink()
+    assert DSparkForDrafting.from_pretrained(tmp_path / "new").generation_config.dspark_schedule == "hardware"
+    (tmp_path / "new" / "generation_config.json").write_text('{"dspark_schedule": "fixed", "dspark_lookup_ngram_size": 0}')
+    fixed = DSparkForDrafting.from_pretrained(tmp_path / "new")
+    assert (fixed.generation_config.dspark_schedule, fixed.generation_config.dspark_lookup_ngram_size) == ("fixed", 0)
+    assert not DSparkDraftingSettings.from_drafter(fixed).hardware
 
 
 def test_shipped_generation_config_turns_the_hardware_schedule_on():

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import DSparkConfig, DSparkForDrafting
+from ..remote_code.configuration_dspark import SPECIAL_TOKEN_FIELDS
 from ..formats.toolkit import DraftCheckpoint, load_tensors
 from ..formats.zlab import read_zlab_dflash
 from ..targets import load_target_heads, load_target_tokenizer
@@ -51,6 +52,7 @@ def drafter_config_from_target(target, aux_layer_ids: list[int], **overrides) ->
         enable_confidence_head=True,
         verifier_name_or_path=getattr(target, "name_or_path", None) or target.config.name_or_path,
         verifier_architectures=list(target.config.architectures or []),
+        **{name: getattr(text, name, None) for name in SPECIAL_TOKEN_FIELDS},
     )
     rope = getattr(text, "rope_parameters", None)
     if isinstance(rope, dict) and rope.get("rope_type", "default") == "default" and "rope_theta" in rope:

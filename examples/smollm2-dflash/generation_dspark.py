@@ -1,21 +1,18 @@
 # Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
-"""DSpark inside `target.generate(**inputs, assistant_model=drafter)`: settings, stats, candidate generator, routing.
+"""DSpark inside `target.generate(**inputs, assistant_model=drafter)`: stats and the candidate generator.
 
 Remote-code file (imports only torch and transformers). transformers' assisted-decoding loop verifies candidates
-and commits tokens; this file supplies the candidates. Reading order: the drafting settings (every knob of the
-drafter's generation_config, read once) → the state a drafter keeps between generate calls → generation stats → the
-candidate generator (one verify round at a time: extend the drafter's context, draft a block, let the schedule and
+and commits tokens; this file supplies the candidates. Reading order: generation stats → the candidate generator (one verify round at a time: extend the drafter's context, draft a block, let the schedule and
 the stops decide how much of it to propose, learn from the outcome). `routing_dspark.py` hands it to generate().
 
-Imports run one way: `modeling_dspark` → `routing_dspark`, `batching_dspark` → this file, `batch_widths_dspark` →
-`scheduling_dspark` → `profiling_dspark` → `configuration_dspark` (the model needs its generator and its batch loop,
-the loop its widths and these settings, the generator and the widths their schedules, the hardware schedules their
-profiles, and everything the config). The generator reaches the model only through the drafter it is handed.
+Imports run one way: `modeling_dspark` → `routing_dspark`, `batching_dspark` → this file → `settings_dspark`,
+`batch_widths_dspark` → `scheduling_dspark` → `profiling_dspark` → `configuration_dspark` (the model needs its
+generator and its batch loop, the loop its widths, both the drafting settings, the generator and the widths their
+schedules, the hardware schedules their profiles, and everything the config). The generator reaches the model only through the drafter it is handed.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -26,17 +23,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
-from transformers.utils import ModelOutput, logging
+from transformers.utils import ModelOutput
 
-from .live_profiling_dspark import DSparkLiveVerifyProfile, live_verify_profile
-from .profiling_dspark import (
-    DSparkBatchVerifyProfile,
-    DSparkVerifyProfile,
-    batch_profile_key,
-    batch_verify_profile,
-    stored_drafter_dtype,
-    verify_profile_key,
-)
 from .scheduling_dspark import (
     DSparkDraftSchedule,
     DSparkDrafterBackoff,
@@ -44,126 +32,7 @@ from .scheduling_dspark import (
     DSparkPromptLookup,
     draft_schedule,
 )
-
-logger = logging.get_logger(__name__)
-
-# ------------------------------------------------------------------------------------------------------------------
-# Drafting settings and the state kept between generate calls
-
-SCHEDULE_MODES = (None, "fixed", "hardware")
-
-
-@dataclass(frozen=True)
-class DSparkDraftingSettings:
-    """Every drafting knob of a drafter's `generation_config`, read and checked once (see `from_drafter`)."""
-
-    num_drafts: int  # `num_assistant_tokens`: drafts per round at most
-    confidence_threshold: float | None = None  # `dspark_confidence_threshold`: admit while a_n stays above it
-    verify_cost: float | None = None  # `dspark_verify_cost`: one more verified token / a whole verify pass
-    hardware: bool = False  # `dspark_schedule: "hardware"` (and a confidence head, and neither knob above)
-    lookahead: bool = True  # `dspark_lookahead`: greedy rounds may choose k after seeing the whole block
-    lookup_ngram_size: int = 0  # `dspark_lookup_ngram_size`: longest n-gram prompt lookup matches (0: off)
-    min_gain: float = 1.0  # `dspark_min_gain`: how many times a plain step's rate a drafted round must promise
-    drafter_dtype: str = "auto"  # `dspark_drafter_dtype`: "auto" (as `dspark-hf profile` measured), "as-loaded", a dtype
-
-    @classmethod
-    def from_drafter(cls, drafter) -> "DSparkDraftingSettings":
-        """The one place the knobs are read; each bad value is one clear error naming the knob and the fix."""
-        drafting, has_confidence = drafter.generation_config, drafter.confidence_head is not None
-        knob = functools.partial(getattr, drafting)
-        threshold, verify_cost = knob("dspark_confidence_threshold", None), knob("dspark_verify_cost", None)
-        mode = knob("dspark_schedule", None)
-        if mode not in SCHEDULE_MODES:
-            raise ValueError(f"dspark_schedule={mode!r} is not a DSpark schedule; use \"hardware\" or \"fixed\".")
-        if (threshold is not None or verify_cost is not None) and not has_confidence:
-            raise ValueError(
-                "confidence-scheduled drafting needs a confidence head; set enable_confidence_head or unset "
-                "dspark_confidence_threshold / dspark_verify_cost on the drafter's generation_config."
-            )
-        return cls(
-            num_drafts=int(knob("num_assistant_tokens", None) or drafter.num_draft_tokens),
-            confidence_threshold=threshold,
-            verify_cost=verify_cost,
-            hardware=mode == "hardware" and threshold is None and verify_cost is None and has_confidence,
-            lookahead=knob("dspark_lookahead", True) is not False,
-            lookup_ngram_size=_checked_lookup_size(knob("dspark_lookup_ngram_size", None)),
-            min_gain=_checked_min_gain(knob("dspark_min_gain", None)),
-            drafter_dtype=_checked_drafter_dtype(knob("dspark_drafter_dtype", None)),
-        )
-
-
-DRAFTER_DTYPES = ("auto", "as-loaded", "float32", "bfloat16", "float16")
-
-
-def _checked_drafter_dtype(value) -> str:
-    if value not in (None, *DRAFTER_DTYPES):
-        raise ValueError(f"dspark_drafter_dtype={value!r} is not a choice; use \"auto\" (the dtype `dspark-hf profile "
-                         "--drafter` measured fastest here, else as loaded), \"as-loaded\" or a dtype name.")
-    return value or "auto"
-
-
-def prepare_drafter(drafter, target: PreTrainedModel, settings: "DSparkDraftingSettings") -> None:
-    """Fit the drafter to the target (`attach_to`) and run it in the dtype that pays here: `dspark_drafter_dtype`, or
-    with "auto" the one `dspark-hf profile --drafter` measured fastest for this target, device (with its ISA) and dtype
-    (where bf16 matmuls are emulated the dtypes differ by up to 1.6×); never measured on the call."""
-    drafter.attach_to(target)
-    wanted = stored_drafter_dtype(target) if settings.drafter_dtype == "auto" else settings.drafter_dtype
-    if wanted in (None, "as-loaded") or str(next(drafter.parameters()).dtype) == f"torch.{wanted}":
-        return
-    drafter.to(getattr(torch, wanted))
-    logger.warning_once(f"DSpark runs the drafter in {wanted} on this machine (dspark_drafter_dtype={settings.drafter_dtype}).")
-
-
-def _checked_lookup_size(size) -> int:
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
-        raise ValueError(f"dspark_lookup_ngram_size={size!r} is not an n-gram size; use e.g. 3, or 0 to turn prompt lookup off.")
-    return size or 0
-
-
-def _checked_min_gain(value) -> float:
-    if value is None:
-        return 1.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"dspark_min_gain={value!r} is not a positive number; use e.g. 1.1 (draft only when a round "
-                         "promises 10% more than a plain step) or unset it.")
-    return float(value)
-
-
-@dataclass
-class DSparkDraftingState:
-    """Everything a drafter keeps from one generate call to the next: `drafter.drafting_state`.
-
-    Clear `confidence_bias` and `lookup_counts` to start learning over (e.g. after switching to another kind of
-    prompt); set `verify_profile` to price rounds with a profile of your own, as given (left None, rounds are priced
-    by `live_verify_profile`: the stored measured shape, refined by every round).
-    """
-
-    confidence_bias: dict[tuple, float] = field(default_factory=dict)  # hardware schedule's online bias per setting
-    lookup_counts: dict[tuple, dict[int, list[float]]] = field(default_factory=dict)  # prompt-lookup outcomes
-    verify_profile: DSparkVerifyProfile | None = None
-    live_verify_profile: DSparkLiveVerifyProfile | None = None  # t(k) as this process's rounds priced it
-    batch_verify_profile: DSparkBatchVerifyProfile | None = None  # t(B, w), the same for batched generation
-    batch_round_costs: dict[tuple, Any] = field(default_factory=dict)  # live cost of batch rounds per setting
-    last_stats: "DSparkGenerationStats | None" = None  # what the last generate call did
-    bound_target: str | None = None  # the target whose embeddings `bind_target` copied
-
-    def verify_profile_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkLiveVerifyProfile:
-        """The live profile rounds are priced by, kept from call to call: the profile set here if it belongs to this
-        target, device, dtype and torch, else the stored shape refined live; never measured on the call."""
-        key, live = verify_profile_key(target), self.live_verify_profile
-        mine = self.verify_profile if self.verify_profile is not None and self.verify_profile.key == key else None
-        if (live is None or live.key != key or live.max_drafts < max_drafts or live.frozen != (mine is not None)
-                or (mine is not None and live.prior is not mine)):  # stale, or not what the user set (or unset)
-            live = self.live_verify_profile = live_verify_profile(target, max_drafts, given=mine)
-        return live
-
-    def batch_verify_profile_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkBatchVerifyProfile:
-        """The batch axis t(B, w): the profile set here if it is this target's, else the stored one or the prior shape
-        (never measured on the call; the batch width schedule learns the level live)."""
-        if self.batch_verify_profile is not None and self.batch_verify_profile.key == batch_profile_key(target):
-            return self.batch_verify_profile
-        return batch_verify_profile(target, max_drafts)
-
+from .settings_dspark import DSparkDraftingSettings, prepare_drafter
 
 # ------------------------------------------------------------------------------------------------------------------
 # Generation stats
@@ -491,8 +360,6 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
 __all__ = [
     "DSparkCandidateGenerator",
-    "DSparkDraftingSettings",
-    "DSparkDraftingState",
     "DSparkGenerationStats",
     "check_generation_limits",
     "decoding_key",

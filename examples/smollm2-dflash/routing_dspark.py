@@ -6,10 +6,15 @@ private `GenerationMixin` methods; three small wrappers around them hand a DSpar
 first what it cannot serve, and pass it the call's stopping criteria. `install_dspark_routing` wraps them once per
 process, whichever copy of this file (the library's or a checkpoint's remote code) is imported first; each wrapper
 dispatches on the assistant's own factory method, so the assistant's copy of the code builds its generator.
+
+transformers builds the candidate generator inside `_assisted_decoding` without handing it the stopping criteria, so
+the `_assisted_decoding` wrapper holds them in a context variable for the `_get_candidate_generator` wrapper of the same
+call: each thread (and each asyncio task) sees only its own call's, so concurrent calls on one drafter cannot mix.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable
 
@@ -18,13 +23,18 @@ from transformers.generation import GenerationMixin
 from .configuration_dspark import check_target_compatibility
 from .generation_dspark import check_generation_limits
 
-# The namespaced method the hooks look for on an assistant model (DSparkForDrafting defines it), and the attribute
-# through which one generate call hands its stopping criteria to that factory. Both names are a protocol between
-# copies of this code: the hooks of whichever copy a process imports first serve the drafters of every copy (older
-# checkpoints' included), so neither name may change.
+# The namespaced methods the hooks look for on an assistant model (DSparkForDrafting defines them). These names are a
+# protocol between copies of this code: the hooks of whichever copy a process imports first serve the drafters of
+# every copy (older checkpoints' included), so none may change. Older drafters have only the factory, and read the
+# call's stopping criteria from the attribute DSPARK_STOPPING_ATTRIBUTE that older hooks set on them for the call;
+# newer ones are handed the criteria by `DSPARK_CALL_FACTORY_ATTRIBUTE`, and the attribute is set only for older ones.
 DSPARK_FACTORY_ATTRIBUTE = "_dspark_candidate_generator_factory"
+DSPARK_CALL_FACTORY_ATTRIBUTE = "_dspark_candidate_generator_for_call"  # (..., stopping_criteria) -> generator
 DSPARK_STOPPING_ATTRIBUTE = "_dspark_stopping_criteria"
 DSPARK_BATCH_ATTRIBUTE = "_dspark_batched_decoding"  # the drafter's own loop for a batch of more than one row
+
+# This call's stopping criteria, from the `_assisted_decoding` wrapper to the `_get_candidate_generator` wrapper.
+_call_stopping_criteria: contextvars.ContextVar = contextvars.ContextVar("dspark_stopping_criteria", default=None)
 
 
 def _route_candidate_generator(original: Callable) -> Callable:
@@ -41,7 +51,11 @@ def _route_candidate_generator(original: Callable) -> Callable:
             and generation_config.prompt_lookup_num_tokens is None
             and generation_config.assistant_early_exit is None
         ):
-            return factory(self, generation_config, input_ids, logits_processor, model_kwargs)  # bound to the assistant
+            for_call = getattr(assistant_model, DSPARK_CALL_FACTORY_ATTRIBUTE, None)  # both bound to the assistant
+            if for_call is not None:
+                return for_call(self, generation_config, input_ids, logits_processor, model_kwargs,
+                                stopping_criteria=_call_stopping_criteria.get())
+            return factory(self, generation_config, input_ids, logits_processor, model_kwargs)
         return original(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                         assistant_model=assistant_model, target_tokenizer=target_tokenizer,
                         assistant_tokenizer=assistant_tokenizer)
@@ -66,9 +80,9 @@ def _guard_generation_mode(original: Callable) -> Callable:
 
 def _route_assisted_decoding(original: Callable) -> Callable:
     """A batch of more than one row goes to the DSpark assistant's own batched loop (transformers' assisted loop
-    serves one row); one row keeps transformers' loop, with the stopping criteria generate() built handed to the
-    assistant for this call (`_get_candidate_generator` does not receive them), so that drafts never run past a stop
-    string or a custom criterion."""
+    serves one row); one row keeps transformers' loop, with the stopping criteria generate() built held for this call
+    (`_get_candidate_generator` does not receive them), so that drafts never run past a stop string or a custom
+    criterion."""
 
     @functools.wraps(original)
     def _assisted_decoding(self, input_ids, *args, **kwargs):
@@ -77,11 +91,17 @@ def _route_assisted_decoding(original: Callable) -> Callable:
             return original(self, input_ids, *args, **kwargs)
         if input_ids.shape[0] > 1 and hasattr(assistant_model, DSPARK_BATCH_ATTRIBUTE):
             return getattr(assistant_model, DSPARK_BATCH_ATTRIBUTE)(self, input_ids, *args, **kwargs)
-        setattr(assistant_model, DSPARK_STOPPING_ATTRIBUTE, kwargs.get("stopping_criteria"))
+        criteria = kwargs.get("stopping_criteria")
+        older = not hasattr(assistant_model, DSPARK_CALL_FACTORY_ATTRIBUTE)  # reads the criteria from the attribute
+        token = _call_stopping_criteria.set(criteria)
+        if older:
+            setattr(assistant_model, DSPARK_STOPPING_ATTRIBUTE, criteria)
         try:
             return original(self, input_ids, *args, **kwargs)
         finally:
-            setattr(assistant_model, DSPARK_STOPPING_ATTRIBUTE, None)
+            _call_stopping_criteria.reset(token)
+            if older:
+                setattr(assistant_model, DSPARK_STOPPING_ATTRIBUTE, None)
 
     return _assisted_decoding
 
@@ -109,5 +129,5 @@ def install_dspark_routing():
 
 
 __all__ = [
-    "DSPARK_BATCH_ATTRIBUTE", "DSPARK_FACTORY_ATTRIBUTE", "DSPARK_HOOKS", "DSPARK_STOPPING_ATTRIBUTE", "install_dspark_routing"
+    "DSPARK_BATCH_ATTRIBUTE", "DSPARK_CALL_FACTORY_ATTRIBUTE", "DSPARK_FACTORY_ATTRIBUTE", "DSPARK_HOOKS", "DSPARK_STOPPING_ATTRIBUTE", "install_dspark_routing"
 ]

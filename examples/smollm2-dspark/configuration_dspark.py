@@ -15,18 +15,28 @@ from typing import Any
 
 import transformers
 from packaging.version import Version  # a dependency of transformers
+from transformers.utils import logging
 
-# The transformers releases this code runs on (>= low, < high; fp32 greedy identity checked by tests/test_install.py).
-# 5.24 renamed `past_key_values` to `cache`, which this code uses throughout; a newer minor is refused until tested.
+# The transformers releases this code was tested on (>= low, < high; fp32 greedy identity checked by tests/test_install.py).
+# 5.24 renamed `past_key_values` to `cache`, which this code uses throughout, so an older release is refused; a newer
+# one runs with one warning (a drafter on the Hub is loaded by whatever transformers its user has).
 TRANSFORMERS_RANGE = ("5.24", "5.25")
+
+# One logger name for every copy of this file (the library's, each checkpoint's): the warning is given once a process.
+_version_logger = logging.get_logger("dspark_remote_code")
 
 
 def check_transformers_version(version: str = transformers.__version__):
-    """One line naming the version needed, raised on import, before an older release fails somewhere confusing."""
+    """One line naming the version needed, raised on import, before an older release fails somewhere confusing; one
+    warning line for a release newer than the tested range."""
     low, high = TRANSFORMERS_RANGE
-    if not Version(low) <= Version(Version(version).base_version) < Version(high):
-        raise ImportError(f"dspark drafter remote code needs transformers >={low},<{high} (found {version}); "
-                          f"pip install 'transformers>={low},<{high}'")
+    found = Version(Version(version).base_version)
+    if found < Version(low):
+        raise ImportError(f"dspark drafter remote code needs transformers >={low} (found {version}); "
+                          f"pip install 'transformers>={low}'")
+    if found >= Version(high):
+        _version_logger.warning_once(f"dspark drafter remote code was tested with transformers >={low},<{high} "
+                                     f"(found {version}); it runs, but pin 'transformers<{high}' if something breaks.")
 
 
 check_transformers_version()
@@ -41,6 +51,7 @@ REMOTE_CODE_FILES = (
     "configuration_dspark.py",
     "modeling_dspark.py",
     "generation_dspark.py",
+    "settings_dspark.py",
     "batching_dspark.py",
     "batch_widths_dspark.py",
     "routing_dspark.py",
@@ -50,6 +61,9 @@ REMOTE_CODE_FILES = (
 )
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+# The auto classes that load a drafter (`auto_map`): AutoModel, and AutoModelForCausalLM as users load assistants.
+DRAFTER_AUTO_CLASSES = ("AutoModel", "AutoModelForCausalLM")
 
 # Draft transformer fields that live both flat on the config and inside `transformer_layer_config`.
 _GEOMETRY_DEFAULTS: dict[str, Any] = {
@@ -156,6 +170,12 @@ class DSparkConfig(PreTrainedConfig):
     bind_target_embeddings: bool = False
     verifier_name_or_path: str | None = None
     verifier_architectures: list[str] | None = None
+    # The target tokenizer's special tokens: `pipeline(..., assistant_model=drafter)` shares the target's tokenizer
+    # with an assistant only when these and `vocab_size` equal the target's (None in older checkpoints: `attach_to`
+    # fills them from the target).
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
 
     # DSpark heads.
     markov_rank: int = 0
@@ -193,10 +213,12 @@ class DSparkConfig(PreTrainedConfig):
             self.confidence_temperatures = [1.0] * self.num_draft_tokens
         if self.architectures is None:
             self.architectures = ["DSparkForDrafting"]
-        kwargs.setdefault("auto_map", {
-            "AutoConfig": "configuration_dspark.DSparkConfig",
-            "AutoModel": "modeling_dspark.DSparkForDrafting",
-        })
+        # AutoModelForCausalLM too: the habit for assistant models (it returns the same drafter), older configs included
+        auto_map = dict(kwargs.pop("auto_map", None) or {"AutoConfig": "configuration_dspark.DSparkConfig",
+                                                          "AutoModel": "modeling_dspark.DSparkForDrafting"})
+        for name in DRAFTER_AUTO_CLASSES:  # a Hub load prefixes each entry with its repo: copy AutoModel's as it is
+            auto_map.setdefault(name, auto_map.get("AutoModel", "modeling_dspark.DSparkForDrafting"))
+        kwargs["auto_map"] = auto_map
         super().__post_init__(**kwargs)
         self._check()
 
@@ -324,7 +346,19 @@ def check_target_compatibility(config: DSparkConfig, target: PreTrainedModel):
         )
 
 
+SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def adopt_special_tokens(config: DSparkConfig, target: PreTrainedModel, overwrite: bool = False):
+    """The target's bos/eos/pad ids on the drafter's config (all of them where `overwrite`, else the unset ones): a
+    pipeline hands the drafter the target's tokenizer only when they agree."""
+    text_config = target.config.get_text_config()
+    for name in SPECIAL_TOKEN_FIELDS:
+        if overwrite or getattr(config, name) is None:
+            setattr(config, name, getattr(text_config, name, None))
+
+
 __all__ = [
-    "DSparkConfig", "MARKOV_HEAD_TYPES", "PRESETS", "REMOTE_CODE_FILES", "TRANSFORMERS_RANGE",
-    "check_target_compatibility", "check_transformers_version",
+    "DSparkConfig", "MARKOV_HEAD_TYPES", "PRESETS", "REMOTE_CODE_FILES", "SPECIAL_TOKEN_FIELDS", "TRANSFORMERS_RANGE",
+    "adopt_special_tokens", "check_target_compatibility", "check_transformers_version",
 ]

@@ -7,8 +7,8 @@ Reading order (as in `modeling_llama.py`): norm → rotary → MLP → attention
 head variants → confidence head → token choice → context cache and outputs → checkpoint checks → PreTrainedModel →
 DSparkForDrafting (training forward, `draft_block`, and the factory that plugs the drafter into
 `target.generate(assistant_model=drafter)`). The rest lives beside this file, one concern each: `configuration_dspark`
-(config, presets, target check), `generation_dspark` (settings, stats, candidate generator), `routing_dspark` (the
-generate() hooks), `batching_dspark` and `batch_widths_dspark` (batched generation), `scheduling_dspark` (draft
+(config, presets, target check), `settings_dspark` (drafting settings and the state kept between calls),
+`generation_dspark` (stats, candidate generator), `routing_dspark` (the generate() hooks), `batching_dspark` and `batch_widths_dspark` (batched generation), `scheduling_dspark` (draft
 schedules, back-off, prompt lookup), `profiling_dspark` (verify cost).
 
 Notation: d hidden size, m aux layers, B block size, N drafts per block (B-1, or B with `sample_from_anchor`),
@@ -42,11 +42,12 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
 
-from .configuration_dspark import DSparkConfig, check_target_compatibility
+from .configuration_dspark import DSparkConfig, adopt_special_tokens, check_target_compatibility
 from .batching_dspark import VOCAB_AGNOSTIC_WARPERS, DSparkBatchGeneration, check_batch_limits
-from .generation_dspark import DSparkCandidateGenerator, DSparkDraftingState, DSparkGenerationStats
+from .generation_dspark import DSparkCandidateGenerator, DSparkGenerationStats
 from .routing_dspark import DSPARK_STOPPING_ATTRIBUTE, install_dspark_routing
 from .scheduling_dspark import DSparkDraftSchedule, draft_schedule
+from .settings_dspark import DSparkDraftingState, default_drafting_config, with_default_drafting
 
 
 class DSparkRMSNorm(nn.Module):
@@ -613,9 +614,10 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         self.confidence_head = DSparkConfidenceHead(config) if config.enable_confidence_head else None
         self.d2t = nn.Buffer(torch.zeros(config.draft_vocab_size, dtype=torch.long))  # draft id j -> target j + d2t[j]
         self.t2d = nn.Buffer(torch.zeros(config.vocab_size, dtype=torch.bool))  # target id in draft vocab?
-        # Drafting settings (`num_assistant_tokens`, `dspark_*`), read by the candidate generator: see
-        # `DSparkDraftingSettings`. What the drafter learns from one generate call to the next: `drafting_state`.
-        self.generation_config = GenerationConfig(num_assistant_tokens=config.num_draft_tokens)
+        # Drafting settings (`num_assistant_tokens`, `dspark_*`; by default the hardware schedule with prompt lookup),
+        # read by the candidate generator: see `DSparkDraftingSettings`. What the drafter learns from one generate call
+        # to the next: `drafting_state`.
+        self.generation_config = default_drafting_config(config.num_draft_tokens)
         self.drafting_state = DSparkDraftingState()
         self.post_init()
         self.embed_tokens.weight.requires_grad_(False)
@@ -679,8 +681,9 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         hub_kwargs = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
         try:
-            model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
-        except OSError:  # no generation_config.json: keep the defaults from the config
+            loaded = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+            model.generation_config = with_default_drafting(loaded)  # what the file sets, defaults for the rest
+        except OSError:  # no generation_config.json: keep the defaults
             pass
         return model
 
@@ -1022,17 +1025,26 @@ class DSparkForDrafting(DSparkPreTrainedModel):
     # transformers integration: the routing hooks (`routing_dspark.py`) call this, bound to the drafter, to serve
     # `target.generate(..., assistant_model=drafter)`; its name is DSPARK_FACTORY_ATTRIBUTE.
 
-    def _dspark_candidate_generator_factory(
+    def _dspark_candidate_generator_for_call(
         self,
         target: PreTrainedModel,
         generation_config: GenerationConfig,
         input_ids: torch.LongTensor,
         logits_processor: LogitsProcessorList,
         model_kwargs: dict[str, Any],
+        stopping_criteria=None,
     ) -> DSparkCandidateGenerator:
-        stopping_criteria = getattr(self, DSPARK_STOPPING_ATTRIBUTE, None)  # set for this call by the routing hook
+        """The generator of one call, handed that call's stopping criteria (DSPARK_CALL_FACTORY_ATTRIBUTE)."""
         return DSparkCandidateGenerator(
             self, target, input_ids, generation_config, logits_processor, model_kwargs, stopping_criteria
+        )
+
+    def _dspark_candidate_generator_factory(self, target, generation_config, input_ids, logits_processor, model_kwargs):
+        """The same for older hooks (an older checkpoint's code imported first), which set the criteria on the drafter
+        for the call (DSPARK_FACTORY_ATTRIBUTE)."""
+        stopping_criteria = getattr(self, DSPARK_STOPPING_ATTRIBUTE, None)
+        return self._dspark_candidate_generator_for_call(
+            target, generation_config, input_ids, logits_processor, model_kwargs, stopping_criteria
         )
 
     def _dspark_batched_decoding(self, target: PreTrainedModel, input_ids: torch.LongTensor, logits_processor,
@@ -1044,8 +1056,10 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         return generation.generate(input_ids)
 
     def attach_to(self, target: PreTrainedModel):
-        """Check that this drafter fits the target, and copy the target's embeddings where the checkpoint omits them."""
+        """Check that this drafter fits the target, copy the target's embeddings where the checkpoint omits them, and
+        its special token ids where an older checkpoint has none (`pipeline` compares them)."""
         check_target_compatibility(self.config, target)
+        adopt_special_tokens(self.config, target)
         if self.config.bind_target_embeddings and self.drafting_state.bound_target != target.config.name_or_path:
             self.bind_target(target)
 
