@@ -49,7 +49,10 @@ class DSparkGenerationStats:
     num_draft_tokens: int
     drafted: list[int] = field(default_factory=list)  # drafts proposed per round
     accepted: list[int] = field(default_factory=list)  # drafts accepted per round (bonus token not included)
-    widths: list[int] = field(default_factory=list)  # batched generation: the padded width of each batch round
+    widths: list[int] = field(default_factory=list)  # batched generation: the widest row's drafts in each batch round
+    round_rows: list[int] = field(default_factory=list)  # batched: the rows each batch round verified
+    verified_tokens: list[int] = field(default_factory=list)  # batched: tokens through the target's layers per round
+    packed: bool | None = None  # batched: whether rounds were verified packed (each row's own tokens) or padded
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     confidence_predicted: float = 0.0  # Σ recalibrated c_n over drafts verification reached (hardware schedule)
@@ -87,6 +90,14 @@ class DSparkGenerationStats:
         """Rounds by number of accepted drafts 0..N."""
         return [sum(a == k for a in self.accepted) for k in range(self.num_draft_tokens + 1)]
 
+    def padded_tokens(self) -> list[int]:
+        """Batched: the tokens each round would have verified padded to its widest row, rows × (w + 1)."""
+        return [rows * (width + 1) for rows, width in zip(self.round_rows, self.widths)]
+
+    def length_histogram(self) -> list[int]:
+        """Batched: (row, round) pairs by the number of drafts that row verified, 0..N."""
+        return [sum(d == k for d in self.drafted) for k in range(self.num_draft_tokens + 1)]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "rounds": self.rounds,
@@ -97,6 +108,9 @@ class DSparkGenerationStats:
             "acceptance_conditional": self.acceptance_conditional(),
             "accepted_histogram": self.accepted_histogram(),
             "widths": list(self.widths),
+            "verified_tokens": list(self.verified_tokens),
+            "padded_tokens": self.padded_tokens(),
+            "packed": self.packed,
             **{name: getattr(self, name) for name in SUMMED_STATS},
         }
 
@@ -108,6 +122,9 @@ class DSparkGenerationStats:
             merged.drafted += list(stats.drafted)
             merged.accepted += list(stats.accepted)
             merged.widths += list(stats.widths)
+            merged.round_rows += list(stats.round_rows)
+            merged.verified_tokens += list(stats.verified_tokens)
+            merged.packed = stats.packed if merged.packed is None else merged.packed
             for name in SUMMED_STATS:
                 setattr(merged, name, getattr(merged, name) + getattr(stats, name))
         return merged

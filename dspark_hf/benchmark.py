@@ -21,6 +21,8 @@ it weighs differently per method; the decode ratio is the speed-up of what specu
 - `dspark`: the DSpark drafter as shipped: its generation config's schedule decides how many drafts each round
   verifies (the hardware-aware schedule of the default drafter, possibly none).
 - `dspark-conf`: the DSpark drafter with a survival threshold (`dspark_confidence_threshold`), on request.
+- `dspark-padded`: batches only, on request: `dspark` with every round verified padded to its widest row
+  (`dspark_packed_verification = False`), what packing saves.
 
 Each `--prompts` entry is a domain (chat, instructions, code, long multi-turn chats, a held-out corpus), measured and
 reported on its own, since a drafter is fast only where its training data reaches. Greedy and T = 1 (`--modes`). Also measured: drafter context update + one parallel block pass + Markov loop as a
@@ -52,7 +54,8 @@ from .reporting import emit_report, machine_description, set_threads
 from .targets import add_target_argument, load_target, resolve_target
 from .timing import timed_batch_generation, timed_generation
 
-ALL_METHODS = ["plain", "plain-reseeded", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark", "dspark-conf"]
+ALL_METHODS = ["plain", "plain-reseeded", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark", "dspark-conf",
+               "dspark-padded"]
 RESEEDED_SEED_OFFSET = 500_000  # plain-reseeded samples with seeds no other method uses
 DEFAULT_METHODS = ["plain", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark"]
 ONE_ROW_METHODS = ["assisted-lm", "prompt-lookup"]  # transformers serves these one prompt at a time
@@ -140,6 +143,9 @@ def load_methods(args, target, dtype) -> tuple[list[str], dict[str, Any]]:
         conf = fixed_length(load_drafter(args.model, target, dtype))
         conf.generation_config.dspark_confidence_threshold = args.confidence_threshold
         models["dspark-conf"] = conf
+    if "dspark-padded" in methods:
+        models["dspark-padded"] = padded = load_drafter(args.model, target, dtype)
+        padded.generation_config.dspark_packed_verification = False
     return methods, models
 
 
@@ -272,8 +278,7 @@ def format_report(report: dict[str, Any]) -> str:
                 # the schedule's (recalibrated) confidence against the survival verification then observed
                 live = (f"{r['live_confidence_mean']:.2f}/{r['live_acceptance_rate']:.2f}"
                         if "live_confidence_mean" in r else "-")
-                widths = (f"   width {r['mean_width']:.2f}, plain steps {r['plain_step_share']:.0%}"
-                          if "mean_width" in r else "")  # batched: what the schedule chose per batch round
+                widths = batch_round_summary(r)
                 lines.append(f"{m:<14}{r['tokens_per_s']:>8.1f}{r.get('speedup_vs_plain', float('nan')):>9.2f}"
                              f"{r.get('decode_speedup_vs_plain', float('nan')):>10.2f}{tau:>8}{drafts:>10}{same:>10}{live:>15}"
                              f"{widths}")
@@ -285,6 +290,19 @@ def format_report(report: dict[str, Any]) -> str:
                          f"drafting round {o['draft_round_ms']:.2f} ms vs verify pass {o['verify_pass_ms']:.2f} ms "
                          f"= {o['fraction']:.1%}")
     return "\n".join(lines)
+
+
+def batch_round_summary(row: dict[str, Any]) -> str:
+    """Batched: what the schedule chose per round (widest row, plain steps), the per-row draft lengths (row-rounds
+    verifying 0, 1, ... drafts) and the tokens verified against padding every row to the widest."""
+    if "mean_width" not in row:
+        return ""
+    text = f"   width {row['mean_width']:.2f}, plain steps {row['plain_step_share']:.0%}"
+    text += f", row lengths {'/'.join(map(str, row['drafts_per_round_histogram']))}"
+    if "verified_tokens" in row:
+        text += (f", verified {row['verified_tokens']} of {row['padded_tokens']} padded tokens "
+                 f"({'packed' if row['packed'] else 'padded'})")
+    return text
 
 
 def summary_table(report: dict[str, Any], method: str = "dspark") -> list[str]:

@@ -171,6 +171,9 @@ def live_acceptance(stats) -> dict[str, Any]:
     if getattr(stats, "widths", None):  # batched generation: the width the schedule chose for each batch round
         live_calibration.update(batch_rounds=len(stats.widths), mean_width=sum(stats.widths) / len(stats.widths),
                                 plain_step_share=sum(w == 0 for w in stats.widths) / len(stats.widths))
+    if getattr(stats, "verified_tokens", None):  # ... and the tokens its rounds verified, against padding to the widest
+        live_calibration.update(packed=stats.packed, verified_tokens=sum(stats.verified_tokens),
+                                padded_tokens=sum(stats.padded_tokens()))
     if getattr(stats, "lookup_rounds", 0):
         live_calibration.update(lookup_rounds=stats.lookup_rounds, lookup_drafted=stats.lookup_drafted,
                                 lookup_accepted=stats.lookup_accepted)

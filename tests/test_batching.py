@@ -19,7 +19,7 @@ from test_generation import ALPHA, SAMPLES, chi_square_p_value, sampling_setup, 
 from test_scheduling import drafted
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from dspark_hf.remote_code import batch_widths_dspark, batching_dspark
+from dspark_hf.remote_code import batch_rows_dspark, batch_widths_dspark, batching_dspark, profiling_dspark
 from dspark_hf.remote_code.profiling_dspark import DSparkBatchVerifyProfile
 
 PROMPTS = [[1, 17, 42, 9], [1, 5, 5, 5, 60, 61, 62, 30, 11], [1, 88, 3, 77, 14, 50], [1, 30], [1, 7, 7, 7, 7, 7, 7],
@@ -159,7 +159,7 @@ def test_finished_rows_leave_the_batch_and_the_cache_stays_compact(batch_oracle,
     finished_early = (out[:, batch["input_ids"].shape[1]:] == 0).any(dim=1)
     assert finished_early.any() and rows_seen[-1] < 4 and rows_seen == sorted(rows_seen, reverse=True)
     longest = batch["input_ids"].shape[1] + 60
-    assert max(columns_seen) <= longest / (1 - batching_dspark.COMPACT_WHEN_WASTED) + 5
+    assert max(columns_seen) <= longest / (1 - batch_rows_dspark.COMPACT_WHEN_WASTED) + 5
 
 
 def test_compaction_keeps_each_rows_columns_in_order():
@@ -171,7 +171,7 @@ def test_compaction_keeps_each_rows_columns_in_order():
     drafter = make_drafter(make_tiny_target("llama"))
     drafter_cache = drafter.new_context_cache()
     drafter_cache.update(0, keys.clone(), keys.clone())
-    rows = batching_dspark.DSparkBatchRows(torch.arange(2), mask, target_cache, drafter_cache)
+    rows = batch_rows_dspark.DSparkBatchRows(torch.arange(2), mask, target_cache, drafter_cache)
     rows._compact(4)
     assert rows.mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
     assert target_cache.layers[0].keys[:, 0, :, 0].tolist() == [[5.0, 0.0, 2.0, 3.0], [7.0, 8.0, 10.0, 11.0]]
@@ -342,6 +342,112 @@ def test_threshold_and_verify_cost_widths_follow_the_rows():
     verify_cost = batch_widths_dspark.DSparkBatchVerifyCostWidth(verify_cost=0.2)
     verify_cost.batch_size = 2
     assert 0 < chosen_width(verify_cost, rows) < 7
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packed verification and a draft length per row
+
+
+def per_row_drafter(target, token_cost: float = 0.1, **overrides):
+    """A drafter with the hardware schedule, priced by a batch profile in which every verified token costs
+    `token_cost` of a one-row step: the rows' survivals then decide how many drafts each verifies."""
+    drafter = make_drafter(target, block_size=6, schedule="hardware", **overrides)
+    with torch.no_grad():  # confident: drafting pays whatever the tiny models' own timings say
+        drafter.confidence_head.proj.bias.fill_(12.0)
+    profile = batch_profile(0.0)
+    profile.verify_time_s = [[1 + token_cost * (size * (w + 1) - 1) for w in profile.widths] for size in profile.batch_sizes]
+    profile.key = profiling_dspark.batch_profile_key(target)
+    drafter.drafting_state.batch_verify_profile = profile
+    return drafter
+
+
+def test_packed_rounds_verify_each_rows_own_drafts_and_stay_token_identical():
+    """Each round's target forward verifies exactly Σ (l_r + 1) tokens, each row's anchor and its own drafts, and
+    every row is still plain batched generate's (how the lengths are chosen: the next test)."""
+    target = make_tiny_target("llama")
+    drafter = per_row_drafter(target)
+    batch = left_padded(PROMPTS)
+    for length in (9, 30):
+        expected = batched_greedy(target, batch, max_new_tokens=length, eos_token_id=None)
+        assert torch.equal(batched_greedy(target, batch, max_new_tokens=length, eos_token_id=None,
+                                          assistant_model=drafter), expected)
+        stats = drafter.last_generation_stats
+        assert stats.packed and len(stats.verified_tokens) == len(stats.widths) == len(stats.round_rows)
+        start = 0
+        for rows, tokens in zip(stats.round_rows, stats.verified_tokens):  # each round: its rows' anchors and drafts
+            assert tokens == rows + sum(stats.drafted[start : start + rows])
+            start += rows
+        assert sum(stats.drafted) > 0
+
+
+def test_row_lengths_rank_candidates_by_survival_and_sampling_decides_left_to_right():
+    """Greedy: the best prefix of all (row, position) candidates by survival; sampling: row r's draft n is decided from
+    survivals up to n only, so changing its later confidences never changes whether draft n is verified."""
+    profile = batch_profile(0.0)
+    profile.verify_time_s = [[1 + 0.2 * (size * (w + 1) - 1) for w in profile.widths] for size in profile.batch_sizes]
+    lengths = {}
+    for lookahead in (True, False):
+        schedule = batch_widths_dspark.DSparkBatchHardwareWidth(profile, 7, lookahead=lookahead)
+        schedule.packed, schedule.batch_size = True, 3
+        schedule.live.factors = {(3, False): 1.0, (3, True): 1.0}
+        confidences = [torch.tensor([0.97, 0.5, 0.8])] * 5
+        width = chosen_width(schedule, confidences)
+        lengths[lookahead] = schedule.row_lengths(width, 3)
+        assert lengths[lookahead][0] > lengths[lookahead][2] > lengths[lookahead][1], lengths
+        later = [confidences[0], confidences[1], torch.tensor([0.97, 0.01, 0.01])] + [torch.tensor([0.97, 0.01, 0.01])] * 2
+        schedule.start()
+        for c in later[:width]:
+            schedule.admit(c)
+        changed = schedule.row_lengths(min(width, len(schedule.survivals)), 3)
+        if not lookahead:  # rows 1 and 2 keep what positions 1 and 2 admitted
+            assert torch.equal(changed[1:].clamp(max=2), lengths[False][1:].clamp(max=2))
+    padded = batch_widths_dspark.DSparkBatchHardwareWidth(profile, 7)
+    padded.batch_size = 3
+    assert padded.row_lengths(4, 3).tolist() == [4, 4, 4]  # verified padded: every row the whole width
+
+
+def test_targets_packing_cannot_serve_verify_padded_and_say_so():
+    """Eager attention (not the registered SDPA function packing wraps), or `dspark_packed_verification = False`:
+    padded rounds, the same rows, and the stats say so; a knob of the wrong kind is one line."""
+    eager = make_tiny_target("llama")
+    eager.set_attn_implementation("eager")
+    batch = left_padded(PROMPTS[:4])
+    for target, knob in ((eager, None), (make_tiny_target("llama"), False)):
+        drafter = per_row_drafter(target)
+        drafter.generation_config.dspark_packed_verification = knob
+        expected = batched_greedy(target, batch, max_new_tokens=12, eos_token_id=None)
+        assert torch.equal(batched_greedy(target, batch, max_new_tokens=12, eos_token_id=None, assistant_model=drafter),
+                           expected)
+        stats = drafter.last_generation_stats
+        assert stats.packed is False and stats.verified_tokens == stats.padded_tokens()
+    drafter.generation_config.dspark_packed_verification = "yes"
+    with pytest.raises(ValueError, match="dspark_packed_verification='yes' is not a switch"):
+        batched_greedy(target, batch, max_new_tokens=4, assistant_model=drafter)
+
+
+def test_packed_per_row_sampling_matches_plain_sampling_at_every_row_position():
+    """T = 1 with the hardware schedule's per-row lengths on packed rounds: the χ² test of every row position."""
+    target, drafter = sampling_setup("vanilla")
+    drafter.generation_config.dspark_schedule = "hardware"
+    profile = batch_profile(0.0)
+    profile.verify_time_s = [[1 + 0.1 * (size * (w + 1) - 1) for w in profile.widths] for size in profile.batch_sizes]
+    profile.key = profiling_dspark.batch_profile_key(target)
+    drafter.drafting_state.batch_verify_profile = profile
+    prompts = [[1, 3, 4, 2, 3], [1, 2], [1, 3, 4, 2, 3], [1, 4, 4]]
+    batch = left_padded(prompts)
+    counts = torch.zeros(len(prompts), target.config.vocab_size, target.config.vocab_size)
+    torch.manual_seed(0)
+    drafted = []
+    for _ in range(SAMPLES):
+        out = target.generate(**batch, max_new_tokens=3, do_sample=True, temperature=1.0, top_k=0,
+                              eos_token_id=None, pad_token_id=0, assistant_model=drafter)
+        drafted += drafter.last_generation_stats.drafted
+        for row in range(len(prompts)):
+            counts[row, out[row, -2], out[row, -1]] += 1
+    assert drafter.last_generation_stats.packed and 0 < sum(drafted) < max(drafted) * len(drafted)  # ragged lengths
+    for row, prompt in enumerate(prompts):
+        p = chi_square_p_value(counts[row], exact_pairs(target, prompt, 1.0))
+        assert p > ALPHA, (row, p)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 # Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
 """Batch widths: how many drafts a round of batched generation verifies for its rows.
 
-Remote-code file (imports only torch and transformers). A padded batch verifies one width w for all its rows, row i
-committing 1 + Σ_{n≤w} a_{i,n} tokens on average. The width grows position by position from the rows' confidences
-so far, never from the drafts themselves, so sampling stays lossless (as for the batch-1 schedules of
-`scheduling_dspark.py`, whose batch forms these are); greedy decoding may cut it back after seeing the whole block
-(`finish`). Every width schedule has the interface of `DSparkBatchWidth`, whose hooks do nothing.
+Remote-code file (imports only torch and transformers). A round drafts one width w for all its rows, row i
+committing 1 + Σ_{n≤l_i} a_{i,n} tokens on average for the l_i ≤ w drafts it verifies. The width grows position by
+position from the rows' confidences so far, never from the drafts themselves, so sampling stays lossless (as for the
+batch-1 schedules of `scheduling_dspark.py`, whose batch forms these are); greedy decoding may cut it back after
+seeing the whole block (`finish`). Where the round is verified packed (each row's own tokens, `packing_dspark`), the
+hardware schedule then gives each row its own length (`row_lengths`): the DSpark paper's per-row scheduler. Every
+width schedule has the interface of `DSparkBatchWidth`, whose hooks do nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class DSparkBatchWidth:
     """Fixed width: every draft of the block, for every row. The hooks do nothing here."""
 
     prices_rounds = False  # True: the width is priced in seconds, and the confidence bias it learns is worth keeping
+    packed = False  # True: the batch loop verifies each row's own tokens only, so a row's drafts cost that row alone
     batch_size = 1  # active rows this round, set by the batch loop
     context_length = 0  # cache columns this round, set by the batch loop
     bias = 0.0
@@ -39,6 +42,10 @@ class DSparkBatchWidth:
 
     def finish(self, num_drafted: int) -> int:
         return num_drafted
+
+    def row_lengths(self, width: int, num_rows: int) -> torch.LongTensor:
+        """How many of the round's `width` drafts each row verifies (num_rows,): here every one."""
+        return torch.full((num_rows,), width, dtype=torch.long)
 
     def should_skip(self) -> bool:
         """True: the drafter rests this round (a plain batched step)."""
@@ -158,15 +165,24 @@ class DSparkBatchHardwareWidth(DSparkBatchWidth):
             return self._profiled(0, batch_size)
         return self._profiled(width, batch_size) + self.draft_time_s.get(batch_size, 0.0)
 
-    def cost(self, width: int) -> float:
-        factor = self.live.factor(self.batch_size, width > 0)
-        return factor * self._modelled(width, self.batch_size) * (self.min_gain if width else 1.0)
+    def cost(self, width: float) -> float:
+        """Seconds of a round of `width` drafts per row (0: a plain step; a drafted round also pays the drafter)."""
+        if width == 0:
+            return self.live.factor(self.batch_size, False) * self._modelled(0, self.batch_size)
+        return self._drafted_cost(width)
+
+    def _drafted_cost(self, width: float) -> float:
+        modelled = self._profiled(width, self.batch_size) + self.draft_time_s.get(self.batch_size, 0.0)
+        return self.live.factor(self.batch_size, True) * modelled * self.min_gain
 
     def start(self) -> None:
         super().start()
         self._costs = [self.cost(w) for w in range(self.max_drafts + 1)]
         self._expected = [float(self.batch_size)]  # E_w for w = 0, 1, ...
         self._admitted: list[torch.Tensor] = []  # recalibrated c_{·,n} of the admitted positions
+        if self.packed:  # a drafted round verifying B, B + 1, ... packed tokens
+            rows = self.batch_size
+            self._token_costs = [self._token_cost(tokens) for tokens in range(rows, rows * (self.max_drafts + 1) + 1)]
 
     def admit(self, confidences: torch.Tensor) -> bool:
         n = len(self.survivals) + 1
@@ -174,7 +190,9 @@ class DSparkBatchHardwareWidth(DSparkBatchWidth):
             return False
         confidences = torch.sigmoid(torch.logit(confidences.double().clamp(1e-6, 1 - 1e-6)) + self.bias)
         survival = self._next_survival(confidences)
-        if self.lookahead:  # draft on while even certain later drafts could beat the best stop so far
+        if self.packed:  # each row pays for its own drafts: draft on while some row's next one pays
+            admitted = self._some_row_continues(n, survival)
+        elif self.lookahead:  # draft on while even certain later drafts could beat the best stop so far
             best = max(e / c for e, c in zip(self._expected, self._costs))
             admitted = self._best_from(n, survival, torch.ones_like(survival)) > best
         else:
@@ -195,11 +213,64 @@ class DSparkBatchHardwareWidth(DSparkBatchWidth):
 
     def finish(self, num_drafted: int) -> int:
         width = num_drafted
-        if self.lookahead:
+        if self.lookahead and not self.packed:  # packed: `row_lengths` cuts each row, not every row alike
             width = max(range(num_drafted + 1), key=lambda k: self._expected[k] / self._costs[k])
         self.survivals, self._admitted = self.survivals[:width], self._admitted[:width]
         self.backoff.record(width)
         return width
+
+    def row_lengths(self, width: int, num_rows: int) -> torch.LongTensor:
+        """Packed rounds: each row's own length, (row, position) candidates admitted by calibrated survival, most likely
+        first, while the round's expected committed tokens per second still rise under the cost of verifying that many
+        tokens. Greedy decoding takes the best prefix of all candidates ranked together (verification is exact for any
+        proposal); sampling decides position by position, each row's draft n from the rows' survivals up to n only."""
+        if not self.packed or width == 0:
+            return super().row_lengths(width, num_rows)
+        survivals = torch.stack(self.survivals[:width], dim=1).double().cpu()  # (b, w) a_{r,n}
+        costs = self._token_costs[: num_rows * width + 1]
+        if self.lookahead:
+            return self._best_candidates(survivals, costs)
+        return self._candidates_in_order(survivals, costs)
+
+    def _some_row_continues(self, n: int, survival: torch.Tensor) -> bool:
+        """Whether the position-by-position rule admits draft n for some row (from survivals up to n only)."""
+        survivals = torch.stack([*self.survivals, survival], dim=1).double().cpu()
+        return bool((self._candidates_in_order(survivals, self._token_costs) == n).any())
+
+    def _token_cost(self, tokens: int) -> float:
+        """A drafted round verifying `tokens` packed tokens (the drafter's time included even at none: it has run),
+        priced as the profile's rounds of the same number of tokens per row."""
+        return self._drafted_cost(tokens / self.batch_size - 1)
+
+    def _best_candidates(self, survivals: torch.Tensor, costs: list[float]) -> torch.LongTensor:
+        rows, width = survivals.shape
+        order = torch.argsort(-survivals.flatten(), stable=True)  # ties: a row's earlier position first (a prefix)
+        expected = rows + survivals.flatten()[order].cumsum(0)  # E after the top K = 1, 2, ... candidates
+        rates = expected / torch.tensor(costs[1:], dtype=expected.dtype)
+        best = int(rates.argmax())
+        if float(rates[best]) <= rows / self.cost(0):  # no drafts at all pay: a plain step
+            return torch.zeros(rows, dtype=torch.long)
+        return torch.bincount(order[: best + 1] // width, minlength=rows)
+
+    def _candidates_in_order(self, survivals: torch.Tensor, costs: list[float]) -> torch.LongTensor:
+        rows, width = survivals.shape
+        lengths, alive, expected = [0] * rows, [True] * rows, float(rows)
+        for n in range(width):
+            column = survivals[:, n].tolist()
+            for row in sorted(range(rows), key=lambda r: -column[r]):
+                tokens = rows + sum(lengths)
+                if alive[row] and (expected + column[row]) * costs[tokens - rows] > expected * costs[tokens - rows + 1]:
+                    lengths[row] += 1
+                    expected += column[row]
+                else:
+                    alive[row] = False
+        return torch.tensor(lengths, dtype=torch.long)
+
+    def _round_width(self, counts: torch.LongTensor, batch_size: int) -> float:
+        """The width a round is priced at: its widest row's drafts, or, packed, its tokens per row less the anchor."""
+        if not counts.numel():
+            return 0
+        return float((counts + 1).sum()) / batch_size - 1 if self.packed else int(counts.max())
 
     def should_skip(self) -> bool:
         if not self.live.timed_plain_step(self.batch_size):  # time this batch size's plain step first
@@ -209,7 +280,7 @@ class DSparkBatchHardwareWidth(DSparkBatchWidth):
         return self.backoff.should_skip()
 
     def observe_round(self, counts, accepted, batch_size: int, drafter_ran: bool, draft_s: float, verify_s: float) -> None:
-        width = int(counts.max()) if counts.numel() else 0
+        width = self._round_width(counts, batch_size)
         if drafter_ran:
             self.draft_time_s[batch_size] = smoothed(self.draft_time_s.get(batch_size), draft_s, SMOOTHING)
         self.live.observe_verify(verify_s, self.profile.verify_time(batch_size, width))

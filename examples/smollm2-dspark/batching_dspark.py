@@ -3,16 +3,17 @@
 
 Remote-code file (imports only torch and transformers). transformers' assisted loop serves one row; for a batch the
 routing hook (`routing_dspark.py`) calls this loop instead. Every round the drafter drafts a block for every active
-row in one pass, a width schedule picks one padded width w for the batch, and the target verifies all rows in one
-forward of w + 1 tokens per row. Rows accept different numbers of drafts, so the caches become ragged: a rejected
-draft's column stays in the target's cache but is masked out of attention from then on (a 2-D attention mask with
-holes, turned into the 4-D mask by transformers' own mask utilities), each row's position ids count only its valid
-columns, columns no row needs are cropped, and the caches are compacted when holes pile up. A finished row leaves
-the batch. Each row therefore sees exactly its own tokens, as in plain batched `generate`: greedy rows are the
-target's own argmax, sampled rows pass speculative sampling row by row.
+row in one pass, the width schedule picks how many drafts each row verifies (`batch_widths_dspark.py`), and the
+target verifies all rows in one forward: packed over each row's own anchor and drafts (`packing_dspark.py`), or padded
+to the widest row where packing cannot serve the target. Rows accept different numbers of drafts, so the caches
+become ragged: a rejected draft's column stays in the target's cache but is masked out of attention from then on (a
+mask with holes), each row's position ids count only its valid columns, columns no row needs are cropped, and the
+caches are compacted when holes pile up (`batch_rows_dspark.py` keeps that layout, the rows' ids and their scores).
+A finished row leaves the batch. Each row therefore sees exactly its own tokens, as in plain batched `generate`:
+greedy rows are the target's own argmax, sampled rows pass speculative sampling row by row.
 
-Reading order: token choice for a batch → the rows still generating (caches, mask, positions) → one batched call:
-prefill, draft, verify, accept, commit, stop, compact → the output in `generate`'s layout.
+Reading order: token choice for a batch → what a batch cannot do → the width schedule → one batched call: prefill,
+draft, verify, accept, commit, stop → the output in `generate`'s layout.
 """
 
 from __future__ import annotations
@@ -41,15 +42,15 @@ from .batch_widths_dspark import (
     DSparkBatchVerifyCostWidth,
     DSparkBatchWidth,
 )
+from .batch_rows_dspark import DSparkBatchIds, DSparkBatchRows, DSparkBatchScores
 from .generation_dspark import DSparkGenerationStats, check_generation_limits, decoding_key
+from .packing_dspark import DSparkPackedCache, DSparkPacking, install_packed_attention, packs
 from .settings_dspark import DSparkDraftingSettings, prepare_drafter
 
 # Warpers that read nothing but the scores' probabilities: on the draft vocabulary they keep and rescale exactly the
 # tokens they would keep among the same logits scattered to the target vocabulary (-inf elsewhere has probability 0),
 # and on a batch they treat every row alike, whatever ids it holds.
 VOCAB_AGNOSTIC_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
-
-COMPACT_WHEN_WASTED = 0.15  # compact the caches once this share of their columns are holes
 
 
 class DSparkBatchTokenChooser:
@@ -109,124 +110,6 @@ def batch_width_schedule(drafter, target: PreTrainedModel, settings: DSparkDraft
                                     live=state.batch_round_costs.setdefault(key, DSparkBatchRoundCosts()))
 
 
-class DSparkBatchRows:
-    """The rows still generating and the layout of their caches: column t of the target's cache and of the drafter's
-    context cache is the same token of the same row; `mask` (a, T) says which columns each row really has."""
-
-    def __init__(self, rows: torch.LongTensor, mask: torch.LongTensor, target_cache, drafter_cache):
-        self.rows = rows  # (a,) batch index of each active row
-        self.mask = mask  # (a, T) 1 = a committed token of that row
-        self.target_cache, self.drafter_cache = target_cache, drafter_cache
-        self.next_position = mask.sum(dim=1)  # (a,) the anchor's position: tokens committed before it
-        self.anchor = None  # (a,) the last committed token, not yet in the target's cache
-
-    def keep(self, keep: torch.Tensor):
-        """Drop the rows where `keep` (a,) is False: finished rows cost no more work."""
-        index = keep.nonzero().squeeze(1)
-        self.rows, self.mask, self.next_position = self.rows[index], self.mask[index], self.next_position[index]
-        self.anchor = self.anchor[index]
-        self.target_cache.batch_select_indices(index)
-        self.drafter_cache.select_rows(index)
-
-    def tidy(self):
-        """Crop the trailing columns no row needs; compact when holes fill COMPACT_WHEN_WASTED of the columns."""
-        if not self.rows.numel():
-            return
-        used = self.mask.any(dim=0)
-        trailing = int(used.shape[0] - (used.nonzero().max() + 1)) if used.any() else 0
-        if trailing:
-            self.target_cache.crop(-trailing)
-            self.drafter_cache.crop(self.mask.shape[1] - trailing)
-            self.mask = self.mask[:, : self.mask.shape[1] - trailing]
-        longest = int(self.mask.sum(dim=1).max())
-        if self.mask.shape[1] - longest > COMPACT_WHEN_WASTED * self.mask.shape[1]:
-            self._compact(longest)
-
-    def _compact(self, width: int):
-        """Move every row's valid columns to the right end of `width` columns (left padding again), in both caches."""
-        order = torch.sort(self.mask, dim=1, stable=True).indices[:, -width:]  # (a, width) holes first, then tokens
-        for layer in self.target_cache.layers:
-            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
-        self.drafter_cache.gather_columns(order)
-        self.mask = self.mask.gather(1, order)
-
-
-class DSparkBatchIds:
-    """Every row's ids as plain batched `generate` holds them (its padded prompt, then its tokens) in one tensor, row r
-    at index r. Processors and stopping criteria are called on `columns(n)`, the whole batch's first n ids, exactly as
-    plain generate calls them once its rows are n long: a processor that reads a row's batch index
-    (`prefix_allowed_tokens_fn`) or holds state per row (the repetition penalty's padding lengths) needs the whole
-    batch in its order. Only the rows that are n long read what that call returns. A call per length, not per row
-    and slot, and a view, not a copy, keeps ids-reading processors affordable."""
-
-    def __init__(self, prompt: torch.LongTensor):
-        self.prompt_length = prompt.shape[1]
-        self.tokens = prompt.clone()
-        self.lengths = [self.prompt_length] * prompt.shape[0]
-
-    def new_tokens(self, row: int) -> int:
-        return self.lengths[row] - self.prompt_length
-
-    def lengths_of(self, rows: torch.LongTensor) -> torch.LongTensor:
-        """How many ids each of `rows` holds (a,)."""
-        return torch.tensor([self.lengths[r] for r in rows.tolist()], device=rows.device)
-
-    def sequence(self, row: int) -> torch.LongTensor:
-        """Row `row` as plain batched generate holds it: its padded prompt and every token committed since."""
-        return self.tokens[row, : self.lengths[row]]
-
-    def columns(self, length: int) -> torch.LongTensor:
-        return self.tokens[:, :length]
-
-    def append(self, row: int, tokens: list[int]):
-        start = self.lengths[row]
-        self._reserve(start + len(tokens))
-        self.tokens[row, start : start + len(tokens)] = self.tokens.new_tensor(tokens)
-        self.lengths[row] = start + len(tokens)
-
-    def truncate(self, row: int, length: int):
-        self.lengths[row] = length
-
-    def stage(self, rows: torch.LongTensor, drafts: torch.LongTensor):
-        """Write each row's drafts (a, w) after its tokens without counting them: slot j then reads the row's tokens
-        and its first j drafts as `columns(length + j)`."""
-        starts = self.lengths_of(rows)
-        self._reserve(int(starts.max()) + drafts.shape[1])
-        self.tokens[rows[:, None], starts[:, None] + torch.arange(drafts.shape[1], device=starts.device)] = drafts
-
-    def _reserve(self, length: int):
-        if length > self.tokens.shape[1]:
-            more = max(length, 2 * self.tokens.shape[1]) - self.tokens.shape[1]
-            self.tokens = torch.cat([self.tokens, self.tokens.new_zeros((self.tokens.shape[0], more))], dim=1)
-
-
-class DSparkBatchScores:
-    """What `output_scores` / `output_logits` return for a batch, as plain batched `generate` does: per generated step
-    a (batch, V) tensor holding, for each row, what the target computed for the token that row committed there (the
-    processed scores or the raw logits, fp32). A row that has finished gets a filler at the later steps: -inf except
-    0 at the pad token, so `compute_transition_scores` gives its padding 0 (normalized or not) where plain generate
-    gives the scores of a pad token it fed (which mean nothing)."""
-
-    def __init__(self, batch_size: int):
-        self.chunks: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]  # per row: (n, V) per round
-        self.kept = [0] * batch_size  # steps of each row that are real
-
-    def append(self, row: int, chunk: torch.Tensor):
-        self.chunks[row].append(chunk)
-        self.kept[row] += chunk.shape[0]
-
-    def truncate(self, row: int, steps: int):
-        self.kept[row] = min(self.kept[row], steps)
-
-    def steps(self, num_steps: int, pad_token_id: int) -> tuple[torch.Tensor, ...]:
-        rows = [torch.cat(chunks)[: min(kept, num_steps)] for chunks, kept in zip(self.chunks, self.kept)]
-        filler = torch.full_like(rows[0][0], float("-inf"))
-        filler[pad_token_id] = 0.0
-        padded = torch.stack([torch.cat([r, filler.expand(num_steps - r.shape[0], -1)]) for r in rows], dim=1)
-        return tuple(padded)  # num_steps × (batch, V)
-
-
 class DSparkBatchGeneration:
     """One batched `generate` call with a DSpark drafter (see the module docstring)."""
 
@@ -277,9 +160,12 @@ class DSparkBatchGeneration:
         cache = self.model_kwargs.get("cache")
         if cache is not None and cache.get_seq_length() > 0:
             raise ValueError("DSpark batched speculation starts from an empty cache; drop the `cache` you passed.")
-        if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", [])):
+        cache = DSparkPackedCache(config=self.target.config)  # the same layers as generate's, able to take packed rounds
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
             raise ValueError("DSpark batched speculation needs a target whose cache is full attention only (no sliding "
                              "window or recurrent layers); generate one prompt at a time.")
+        self.packed = self.settings.packed_verification and packs(self.target, cache)
+        self.schedule.packed = self.stats.packed = self.packed
         positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
         outputs = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
                               use_cache=True, output_hidden_states=self.aux_layer_ids, logits_to_keep=1)
@@ -309,7 +195,9 @@ class DSparkBatchGeneration:
         room = self._room(batch)  # (a,) drafts each row may still propose
         drafts = self._draft(batch, int(room.max()))
         drafted_s = time.perf_counter() - started
-        counts = torch.minimum(room, torch.full_like(room, drafts.token_ids.shape[1]))  # (a,) drafts verified
+        lengths = self.schedule.row_lengths(drafts.token_ids.shape[1], batch.rows.numel())
+        counts = torch.minimum(room, lengths.to(room.device))  # (a,) drafts each row verifies
+        drafts = self._trimmed(drafts, int(counts.max()) if counts.numel() else 0)
         logits, raw, outputs = self._verify(batch, drafts.token_ids, counts)
         accepted, bonus = self._accept(batch, drafts, counts, logits)
         self._keep_scores(batch.rows, logits, raw, accepted)
@@ -336,19 +224,49 @@ class DSparkBatchGeneration:
         return self.drafter.draft_batch(batch.drafter_cache, batch.anchor.to(device), batch.next_position.to(device),
                                         batch.mask.bool().to(device), room, self.chooser, self.schedule)
 
+    @staticmethod
+    def _trimmed(drafts, width: int):
+        """The drafts up to the widest row's verified count: the cache takes width + 1 new columns this round."""
+        if drafts.token_ids.shape[1] == width:
+            return drafts
+        logits = drafts.target_logits
+        return SimpleNamespace(token_ids=drafts.token_ids[:, :width],
+                               target_logits=None if logits is None else logits[:, :width])
+
     def _verify(self, batch: DSparkBatchRows, tokens: torch.LongTensor, counts: torch.LongTensor):
-        """One target forward of [anchor, drafts] per row, w + 1 wide; a row's slots past its drafts are masked."""
+        """One target forward of [anchor, drafts] per row: packed, over each row's anchor and `counts` drafts only
+        (`packing_dspark`), or padded, w + 1 wide with a row's slots past its drafts masked. Either way the logits
+        (a, w + 1, V) and the aux hidden states come back in the padded layout, and the cache gains w + 1 columns."""
         tokens = tokens.to(batch.anchor.device)
-        width = tokens.shape[1]
-        slots = torch.arange(width + 1, device=tokens.device)
         ids = torch.cat([batch.anchor[:, None], tokens], dim=1)  # (a, w + 1)
-        valid = (slots[None, :] <= counts[:, None]).long()
-        outputs = self.target(input_ids=ids, attention_mask=torch.cat([batch.mask, valid], dim=1),
-                              position_ids=batch.next_position[:, None] + slots, cache=batch.target_cache,
-                              use_cache=True, output_hidden_states=self.aux_layer_ids)
+        packing = DSparkPacking(counts)
+        self.stats.verified_tokens.append(packing.num_tokens if self.packed else ids.numel())
+        outputs = self._packed_forward(batch, ids, packing) if self.packed else self._padded_forward(batch, ids, packing)
         raw = outputs.logits.float()
+        valid = packing.valid.long()
         processed = self._processed(batch, ids, valid.bool(), raw.clone() if self.wants_logits else raw)
         return processed, raw, outputs
+
+    def _padded_forward(self, batch: DSparkBatchRows, ids: torch.LongTensor, packing: DSparkPacking):
+        positions = batch.next_position[:, None] + torch.arange(ids.shape[1], device=ids.device)
+        return self.target(input_ids=ids, attention_mask=torch.cat([batch.mask, packing.valid.long()], dim=1),
+                           position_ids=positions, cache=batch.target_cache, use_cache=True,
+                           output_hidden_states=self.aux_layer_ids)
+
+    def _packed_forward(self, batch: DSparkBatchRows, ids: torch.LongTensor, packing: DSparkPacking):
+        """The forward over the packed tokens (1, N); its logits and hidden states unpacked to (a, w + 1, ...)."""
+        positions = batch.next_position[:, None] + torch.arange(ids.shape[1], device=ids.device)
+        cache = batch.target_cache
+        cache.packing = packing
+        try:
+            outputs = self.target(input_ids=packing.pack(ids), attention_mask=packing.attention_mask(batch.mask),
+                                  position_ids=packing.pack(positions), cache=cache, use_cache=True,
+                                  output_hidden_states=self.aux_layer_ids, dspark_packing=packing)
+        finally:
+            cache.packing = None
+        outputs.logits = packing.unpack(outputs.logits)
+        outputs.hidden_states = tuple(None if h is None else packing.unpack(h) for h in outputs.hidden_states)
+        return outputs
 
     def _processed(self, batch: DSparkBatchRows, ids: torch.LongTensor, valid: torch.Tensor,
                    logits: torch.Tensor) -> torch.Tensor:
@@ -465,6 +383,7 @@ class DSparkBatchGeneration:
 
     def _record(self, counts, accepted, draft_s: float, verify_s: float):
         self.stats.widths.append(int(counts.max()) if counts.numel() else 0)
+        self.stats.round_rows.append(int(counts.numel()))
         self.stats.drafted += counts.tolist()
         self.stats.accepted += accepted.tolist()
         self.stats.draft_time_s += draft_s
@@ -485,4 +404,6 @@ class DSparkBatchGeneration:
         return sequences
 
 
-__all__ = ["DSparkBatchGeneration", "DSparkBatchScores", "DSparkBatchTokenChooser", "VOCAB_AGNOSTIC_WARPERS", "check_batch_limits"]
+install_packed_attention()
+
+__all__ = ["DSparkBatchGeneration", "DSparkBatchTokenChooser", "VOCAB_AGNOSTIC_WARPERS", "check_batch_limits"]
