@@ -68,7 +68,7 @@ class DSparkDraftingSettings:
     lookup_ngram_size: int = 0  # `dspark_lookup_ngram_size`: longest n-gram prompt lookup matches (0: off)
     min_gain: float = 1.0  # `dspark_min_gain`: how many times a plain step's rate a drafted round must promise
     drafter_dtype: str = "auto"  # `dspark_drafter_dtype`: "auto" (as `dspark-hf profile` measured), "as-loaded", a dtype
-    packed_verification: bool = True  # `dspark_packed_verification`: batches verify each row's own tokens only
+    packed_verification: bool = False  # `dspark_packed_verification`: batches verify each row's own tokens only
 
     @classmethod
     def from_drafter(cls, drafter) -> "DSparkDraftingSettings":
@@ -102,10 +102,10 @@ def _is_number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _checked_switch(name: str, value) -> bool:
+def _checked_switch(name: str, value, default: bool = False) -> bool:
     if value not in (None, True, False):
-        raise ValueError(f"{name}={value!r} is not a switch; use True or False, or unset it (True).")
-    return value is not False
+        raise ValueError(f"{name}={value!r} is not a switch; use True or False, or unset it ({default}).")
+    return default if value is None else value
 
 
 def _checked_num_drafts(value, block_drafts: int) -> int:

@@ -21,8 +21,8 @@ it weighs differently per method; the decode ratio is the speed-up of what specu
 - `dspark`: the DSpark drafter as shipped: its generation config's schedule decides how many drafts each round
   verifies (the hardware-aware schedule of the default drafter, possibly none).
 - `dspark-conf`: the DSpark drafter with a survival threshold (`dspark_confidence_threshold`), on request.
-- `dspark-padded`: batches only, on request: `dspark` with every round verified padded to its widest row
-  (`dspark_packed_verification = False`), what packing saves.
+- `dspark-packed`: batches only, on request: `dspark` with each round verified packed, each row's own tokens and its
+  own draft length (`dspark_packed_verification = True`), against the padded rounds of `dspark`.
 
 Each `--prompts` entry is a domain (chat, instructions, code, long multi-turn chats, a held-out corpus), measured and
 reported on its own, since a drafter is fast only where its training data reaches. Greedy and T = 1 (`--modes`). Also measured: drafter context update + one parallel block pass + Markov loop as a
@@ -55,7 +55,7 @@ from .targets import add_target_argument, load_target, resolve_target
 from .timing import timed_batch_generation, timed_generation
 
 ALL_METHODS = ["plain", "plain-reseeded", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark", "dspark-conf",
-               "dspark-padded"]
+               "dspark-packed"]
 RESEEDED_SEED_OFFSET = 500_000  # plain-reseeded samples with seeds no other method uses
 DEFAULT_METHODS = ["plain", "assisted-lm", "prompt-lookup", "dflash", "dspark-fixed", "dspark"]
 ONE_ROW_METHODS = ["assisted-lm", "prompt-lookup"]  # transformers serves these one prompt at a time
@@ -143,9 +143,9 @@ def load_methods(args, target, dtype) -> tuple[list[str], dict[str, Any]]:
         conf = fixed_length(load_drafter(args.model, target, dtype))
         conf.generation_config.dspark_confidence_threshold = args.confidence_threshold
         models["dspark-conf"] = conf
-    if "dspark-padded" in methods:
-        models["dspark-padded"] = padded = load_drafter(args.model, target, dtype)
-        padded.generation_config.dspark_packed_verification = False
+    if "dspark-packed" in methods:
+        models["dspark-packed"] = packed = load_drafter(args.model, target, dtype)
+        packed.generation_config.dspark_packed_verification = True
     return methods, models
 
 

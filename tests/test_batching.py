@@ -354,6 +354,7 @@ def per_row_drafter(target, token_cost: float = 0.1, **overrides):
     drafter = make_drafter(target, block_size=6, schedule="hardware", **overrides)
     with torch.no_grad():  # confident: drafting pays whatever the tiny models' own timings say
         drafter.confidence_head.proj.bias.fill_(12.0)
+    drafter.generation_config.dspark_packed_verification = True
     profile = batch_profile(0.0)
     profile.verify_time_s = [[1 + token_cost * (size * (w + 1) - 1) for w in profile.widths] for size in profile.batch_sizes]
     profile.key = profiling_dspark.batch_profile_key(target)
@@ -385,34 +386,34 @@ def test_row_lengths_rank_candidates_by_survival_and_sampling_decides_left_to_ri
     survivals up to n only, so changing its later confidences never changes whether draft n is verified."""
     profile = batch_profile(0.0)
     profile.verify_time_s = [[1 + 0.2 * (size * (w + 1) - 1) for w in profile.widths] for size in profile.batch_sizes]
-    lengths = {}
-    for lookahead in (True, False):
+
+    def lengths_for(confidences: list[list[float]], lookahead: bool) -> torch.Tensor:
         schedule = batch_widths_dspark.DSparkBatchHardwareWidth(profile, 7, lookahead=lookahead)
         schedule.packed, schedule.batch_size = True, 3
         schedule.live.factors = {(3, False): 1.0, (3, True): 1.0}
-        confidences = [torch.tensor([0.97, 0.5, 0.8])] * 5
-        width = chosen_width(schedule, confidences)
-        lengths[lookahead] = schedule.row_lengths(width, 3)
-        assert lengths[lookahead][0] > lengths[lookahead][2] > lengths[lookahead][1], lengths
-        later = [confidences[0], confidences[1], torch.tensor([0.97, 0.01, 0.01])] + [torch.tensor([0.97, 0.01, 0.01])] * 2
         schedule.start()
-        for c in later[:width]:
-            schedule.admit(c)
-        changed = schedule.row_lengths(min(width, len(schedule.survivals)), 3)
-        if not lookahead:  # rows 1 and 2 keep what positions 1 and 2 admitted
-            assert torch.equal(changed[1:].clamp(max=2), lengths[False][1:].clamp(max=2))
+        schedule.survivals = list(torch.tensor(confidences, dtype=torch.float64).cumprod(dim=0))  # per position (3,)
+        return schedule.row_lengths(len(confidences), 3)
+
+    confidences = [[0.97, 0.5, 0.8]] * 5
+    for lookahead in (True, False):
+        lengths = lengths_for(confidences, lookahead)
+        assert lengths[0] > lengths[2] > lengths[1], lengths
+    sampled = lengths_for(confidences, lookahead=False)
+    later = confidences[:2] + [[0.97, 0.01, 0.01]] * 3  # rows 1 and 2 change only from position 3 on
+    assert torch.equal(lengths_for(later, lookahead=False)[1:].clamp(max=2), sampled[1:].clamp(max=2))
     padded = batch_widths_dspark.DSparkBatchHardwareWidth(profile, 7)
     padded.batch_size = 3
     assert padded.row_lengths(4, 3).tolist() == [4, 4, 4]  # verified padded: every row the whole width
 
 
 def test_targets_packing_cannot_serve_verify_padded_and_say_so():
-    """Eager attention (not the registered SDPA function packing wraps), or `dspark_packed_verification = False`:
-    padded rounds, the same rows, and the stats say so; a knob of the wrong kind is one line."""
+    """Eager attention (not the registered SDPA function packing wraps) with packing asked for, or packing not asked
+    for (the default): padded rounds, the same rows, and the stats say so; a knob of the wrong kind is one line."""
     eager = make_tiny_target("llama")
     eager.set_attn_implementation("eager")
     batch = left_padded(PROMPTS[:4])
-    for target, knob in ((eager, None), (make_tiny_target("llama"), False)):
+    for target, knob in ((eager, True), (make_tiny_target("llama"), None)):
         drafter = per_row_drafter(target)
         drafter.generation_config.dspark_packed_verification = knob
         expected = batched_greedy(target, batch, max_new_tokens=12, eos_token_id=None)
@@ -429,6 +430,7 @@ def test_packed_per_row_sampling_matches_plain_sampling_at_every_row_position():
     """T = 1 with the hardware schedule's per-row lengths on packed rounds: the χ² test of every row position."""
     target, drafter = sampling_setup("vanilla")
     drafter.generation_config.dspark_schedule = "hardware"
+    drafter.generation_config.dspark_packed_verification = True
     profile = batch_profile(0.0)
     profile.verify_time_s = [[1 + 0.1 * (size * (w + 1) - 1) for w in profile.widths] for size in profile.batch_sizes]
     profile.key = profiling_dspark.batch_profile_key(target)

@@ -190,9 +190,7 @@ class DSparkBatchHardwareWidth(DSparkBatchWidth):
             return False
         confidences = torch.sigmoid(torch.logit(confidences.double().clamp(1e-6, 1 - 1e-6)) + self.bias)
         survival = self._next_survival(confidences)
-        if self.packed:  # each row pays for its own drafts: draft on while some row's next one pays
-            admitted = self._some_row_continues(n, survival)
-        elif self.lookahead:  # draft on while even certain later drafts could beat the best stop so far
+        if self.lookahead:  # draft on while even certain later drafts could beat the best stop so far
             best = max(e / c for e, c in zip(self._expected, self._costs))
             admitted = self._best_from(n, survival, torch.ones_like(survival)) > best
         else:
@@ -213,7 +211,7 @@ class DSparkBatchHardwareWidth(DSparkBatchWidth):
 
     def finish(self, num_drafted: int) -> int:
         width = num_drafted
-        if self.lookahead and not self.packed:  # packed: `row_lengths` cuts each row, not every row alike
+        if self.lookahead:
             width = max(range(num_drafted + 1), key=lambda k: self._expected[k] / self._costs[k])
         self.survivals, self._admitted = self.survivals[:width], self._admitted[:width]
         self.backoff.record(width)
@@ -231,11 +229,6 @@ class DSparkBatchHardwareWidth(DSparkBatchWidth):
         if self.lookahead:
             return self._best_candidates(survivals, costs)
         return self._candidates_in_order(survivals, costs)
-
-    def _some_row_continues(self, n: int, survival: torch.Tensor) -> bool:
-        """Whether the position-by-position rule admits draft n for some row (from survivals up to n only)."""
-        survivals = torch.stack([*self.survivals, survival], dim=1).double().cpu()
-        return bool((self._candidates_in_order(survivals, self._token_costs) == n).any())
 
     def _token_cost(self, tokens: int) -> float:
         """A drafted round verifying `tokens` packed tokens (the drafter's time included even at none: it has run),
