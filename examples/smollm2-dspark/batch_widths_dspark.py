@@ -247,14 +247,14 @@ class DSparkBatchHardwareWidth(DSparkBatchWidth):
 
     def _candidates_in_order(self, survivals: torch.Tensor, costs: list[float]) -> torch.LongTensor:
         rows, width = survivals.shape
-        lengths, alive, expected = [0] * rows, [True] * rows, float(rows)
+        lengths, alive, expected, admitted = [0] * rows, [True] * rows, float(rows), 0
         for n in range(width):
             column = survivals[:, n].tolist()
             for row in sorted(range(rows), key=lambda r: -column[r]):
-                tokens = rows + sum(lengths)
-                if alive[row] and (expected + column[row]) * costs[tokens - rows] > expected * costs[tokens - rows + 1]:
+                if alive[row] and (expected + column[row]) * costs[admitted] > expected * costs[admitted + 1]:
                     lengths[row] += 1
                     expected += column[row]
+                    admitted += 1
                 else:
                     alive[row] = False
         return torch.tensor(lengths, dtype=torch.long)

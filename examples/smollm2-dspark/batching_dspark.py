@@ -240,11 +240,9 @@ class DSparkBatchGeneration:
         tokens = tokens.to(batch.anchor.device)
         ids = torch.cat([batch.anchor[:, None], tokens], dim=1)  # (a, w + 1)
         packing = DSparkPacking(counts)
-        self.stats.verified_tokens.append(packing.num_tokens if self.packed else ids.numel())
         outputs = self._packed_forward(batch, ids, packing) if self.packed else self._padded_forward(batch, ids, packing)
         raw = outputs.logits.float()
-        valid = packing.valid.long()
-        processed = self._processed(batch, ids, valid.bool(), raw.clone() if self.wants_logits else raw)
+        processed = self._processed(batch, ids, packing.valid, raw.clone() if self.wants_logits else raw)
         return processed, raw, outputs
 
     def _padded_forward(self, batch: DSparkBatchRows, ids: torch.LongTensor, packing: DSparkPacking):
@@ -382,8 +380,11 @@ class DSparkBatchGeneration:
         return None not in self.stopped_at and self.ids.new_tokens(row) >= max(self.stopped_at)
 
     def _record(self, counts, accepted, draft_s: float, verify_s: float):
-        self.stats.widths.append(int(counts.max()) if counts.numel() else 0)
+        width = int(counts.max()) if counts.numel() else 0
+        self.stats.widths.append(width)
         self.stats.round_rows.append(int(counts.numel()))
+        # tokens through the target's layers: each row's anchor and drafts, or every row padded to the widest
+        self.stats.verified_tokens.append(int((counts + 1).sum()) if self.packed else counts.numel() * (width + 1))
         self.stats.drafted += counts.tolist()
         self.stats.accepted += accepted.tolist()
         self.stats.draft_time_s += draft_s

@@ -2,13 +2,15 @@
 """DSpark inside `target.generate(**inputs, assistant_model=drafter)`: stats and the candidate generator.
 
 Remote-code file (imports only torch and transformers). transformers' assisted-decoding loop verifies candidates
-and commits tokens; this file supplies the candidates. Reading order: generation stats → the candidate generator (one verify round at a time: extend the drafter's context, draft a block, let the schedule and
-the stops decide how much of it to propose, learn from the outcome). `routing_dspark.py` hands it to generate().
+and commits tokens; this file supplies the candidates. Reading order: generation stats → the candidate generator
+(one verify round at a time: extend the drafter's context, draft a block, let the schedule and the stops decide how
+much of it to propose, learn from the outcome). `routing_dspark.py` hands it to generate().
 
 Imports run one way: `modeling_dspark` → `routing_dspark`, `batching_dspark` → this file → `settings_dspark`,
 `batch_widths_dspark` → `scheduling_dspark` → `profiling_dspark` → `configuration_dspark` (the model needs its
 generator and its batch loop, the loop its widths, both the drafting settings, the generator and the widths their
-schedules, the hardware schedules their profiles, and everything the config). The generator reaches the model only through the drafter it is handed.
+schedules, the hardware schedules their profiles, and everything the config). The generator reaches the model only
+through the drafter it is handed.
 """
 
 from __future__ import annotations
