@@ -35,8 +35,11 @@ demo: setup
 drafter: setup sync-remote-code
 	HF_HUB_OFFLINE=1 bash examples/make_drafter.sh
 
-sync-remote-code:
-	for checkpoint in $(SHIPPED_CHECKPOINTS); do cp $(REMOTE_CODE) $$checkpoint/; done
+sync-remote-code:  # copy every remote-code file, and drop the copies of files no longer on the list
+	for checkpoint in $(SHIPPED_CHECKPOINTS); do \
+	  for old in $$checkpoint/*_dspark.py; do case " $(REMOTE_CODE) " in *" $${old##*/} "*) ;; *) rm -f $$old;; esac; done; \
+	  cp $(REMOTE_CODE) $$checkpoint/; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

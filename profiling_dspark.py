@@ -5,8 +5,9 @@ Remote-code file (imports only torch and transformers). The hardware-aware sched
 draft lengths by expected committed tokens per second, so it needs t(k) for the target as it runs here, per target,
 device (with its ISA), dtype and torch version (the profile key). Generation never waits for a measurement: it prices
 rounds by a live profile learned from its own verify passes (`live_profiling_dspark.py`), shaped by the measured
-profile stored here when `dspark-hf profile` measured one. Reading order: key and device probe → the measured
-profile → timing → load and store → the drafter dtype measured fastest → the batch axis.
+profile stored here when `dspark-hf profile` measured one (the measuring itself is the library's, never the remote
+code's). Reading order: key and device probe → the measured profile → load and store → the drafter dtype measured
+fastest → the batch axis.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import hashlib
 import json
 import os
 import platform
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +28,6 @@ logger = logging.get_logger(__name__)
 
 PROFILE_FORMAT = "dspark-verify-profile/2"  # /2: every k measured, no envelope (older files are re-measured)
 PROFILE_CONTEXT_LENGTHS = (128, 512)  # context lengths measured; others are interpolated
-PROFILE_REPEATS = 4  # timed repetitions per (context, k), after one warm-up pass
-PROFILE_MAX_SPREAD = 0.25  # a timing whose interquartile spread exceeds this fraction of its median is noise
-PROFILE_TYPICAL_SPREAD = 0.10  # ... and a profile whose median spread exceeds this fraction cannot rank k
 
 
 @functools.cache
@@ -162,75 +159,6 @@ class DSparkVerifyProfile:
         return profile
 
 
-def _is_noisy(times: list[float], spreads: list[float]) -> bool:
-    """Too noisy to rank k: one timing's spread wider than PROFILE_MAX_SPREAD of its median, or the typical (median)
-    spread wider than PROFILE_TYPICAL_SPREAD. A consistent inversion, t(k+1) < t(k) with tight spreads, is no noise:
-    a CPU picks another matmul kernel for 3 rows than for 4 (fp32 on a 2-core EPYC: 3 tokens verify slower than 4),
-    and the schedule should know it."""
-    relative = sorted(s / t for t, s in zip(times, spreads))
-    return relative[-1] > PROFILE_MAX_SPREAD or relative[len(relative) // 2] > PROFILE_TYPICAL_SPREAD
-
-
-def _synchronize(device: torch.device):
-    if device.type != "cpu" and hasattr(torch, device.type):
-        getattr(torch, device.type).synchronize()
-
-
-@torch.no_grad()
-def _time_verify_passes(target, tokens: torch.Tensor, length: int, counts: list[int], repeats: int) -> list[list[float]]:
-    """Seconds of each forward of k+1 tokens after `length` cached ones, `repeats` times per k in `counts`, as a
-    verify pass runs (aux hidden states requested, cache cropped back). The k order rotates each repetition so a
-    slow moment of a shared machine lands on every k alike; repetition 0 warms up and is dropped."""
-    device = target.device
-    prefill = target(input_ids=tokens[:, :length], use_cache=True)
-    cache = getattr(prefill, "cache", None) or prefill.past_key_values
-    samples: list[list[float]] = [[] for _ in counts]
-    for repeat in range(repeats + 1):
-        shift = repeat % len(counts)
-        for i in list(range(len(counts)))[shift:] + list(range(len(counts)))[:shift]:
-            k = counts[i]
-            _synchronize(device)
-            start = time.perf_counter()
-            target(input_ids=tokens[:, length : length + k + 1], cache=cache, use_cache=True, output_hidden_states=True)
-            _synchronize(device)
-            if repeat:
-                samples[i].append(time.perf_counter() - start)
-            cache.crop(-(k + 1))
-    return samples
-
-
-def _median_and_spread(samples: list[list[float]]) -> tuple[list[float], list[float]]:
-    """Per k: the median timing and the interquartile spread (robust to one outlier in four)."""
-    ordered = [sorted(s) for s in samples]
-    return [s[(len(s) - 1) // 2] for s in ordered], [s[(3 * len(s) - 1) // 4] - s[len(s) // 4] for s in ordered]
-
-
-def measure_verify_profile(
-    target: PreTrainedModel,
-    max_drafts: int,
-    context_lengths: tuple[int, ...] = PROFILE_CONTEXT_LENGTHS,
-    repeats: int = PROFILE_REPEATS,
-) -> DSparkVerifyProfile:
-    """t(k) for every k = 0..max_drafts at each context length, on random tokens: the median of `repeats` timings
-    and their interquartile spread; marked noisy when the timings cannot rank k (see `_is_noisy`). Every k is timed,
-    none interpolated: on CPUs t(k) is not even monotone (small-matrix kernels change with the row count)."""
-    started = time.perf_counter()
-    text_config = target.config.get_text_config()
-    limit = getattr(text_config, "max_position_embeddings", None) or max(context_lengths) + max_drafts + 1
-    lengths = sorted({max(1, min(length, limit - max_drafts - 1)) for length in context_lengths})
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, text_config.vocab_size, (1, lengths[-1] + max_drafts + 1), generator=generator)
-    tokens = tokens.to(target.device)
-    counts = list(range(max_drafts + 1))
-    medians, spreads, noisy = [], [], False
-    for length in lengths:
-        times, spread = _median_and_spread(_time_verify_passes(target, tokens, length, counts, repeats))
-        noisy = noisy or _is_noisy(times, spread)
-        medians.append(times)
-        spreads.append(spread)
-    return DSparkVerifyProfile(verify_profile_key(target), lengths, medians, spreads, noisy, time.perf_counter() - started)
-
-
 def _read_stored_profile(path: str, key: dict[str, str], kind: type = DSparkVerifyProfile):
     """The `kind` of profile stored at `path` if it is well formed and belongs to `key`; None (with one warning)
     otherwise."""
@@ -273,15 +201,6 @@ def drafter_dtype_path(target: PreTrainedModel) -> str:
     return verify_profile_path({**verify_profile_key(target), "axis": "drafter-dtype"})
 
 
-def store_drafter_dtype(target: PreTrainedModel, dtype: str, tokens_per_s: dict[str, float]) -> str:
-    """Record the drafter dtype measured fastest with this target here (`dspark-hf profile --drafter`)."""
-    path = drafter_dtype_path(target)
-    record = {"format": DRAFTER_DTYPE_FORMAT, "key": verify_profile_key(target), "drafter_dtype": dtype,
-              "tokens_per_s": tokens_per_s}
-    _store_json(record, path, "the drafter dtype")
-    return path
-
-
 def stored_drafter_dtype(target: PreTrainedModel) -> str | None:
     """The drafter dtype measured fastest with this target, device and dtype, if one was measured."""
     path = drafter_dtype_path(target)
@@ -301,7 +220,6 @@ BATCH_PROFILE_FORMAT = "dspark-batch-verify-profile/2"  # /2: widths measured sp
 BATCH_PROFILE_SIZES = (1, 4, 16)  # batch sizes measured; others are interpolated (beyond: proportional)
 BATCH_PROFILE_WIDTHS = (0, 1, 3, 7)  # widths measured (capped at the drafter's block); others are interpolated
 BATCH_PROFILE_CONTEXT = 64  # short: a batch's prefill of long contexts would cost more than the timings
-BATCH_PROFILE_REPEATS = 2
 # The prior t(B, w): each token of a pass costs this fraction of a one-token step. Measured on a 2-core EPYC (1
 # thread): 0.016-0.02 in bf16 with bf16 matmul units, 0.037-0.04 in fp32, and 0.4 at batch 1 in bf16 without the
 # units (AVX2-capped: bf16 is converted for every matmul); an accelerator's pass stays memory-bound far longer.
@@ -348,32 +266,6 @@ class DSparkBatchVerifyProfile:
         return profile
 
 
-def measure_batch_verify_profile(
-    target: PreTrainedModel,
-    max_drafts: int,
-    batch_sizes: tuple[int, ...] = BATCH_PROFILE_SIZES,
-    context_length: int = BATCH_PROFILE_CONTEXT,
-    repeats: int = BATCH_PROFILE_REPEATS,
-) -> DSparkBatchVerifyProfile:
-    """t(B, w) at a few widths up to max_drafts and a few batch sizes, on random tokens after `context_length` cached
-    ones (a first batched call waits for it: a few seconds on a CPU)."""
-    started = time.perf_counter()
-    text_config = target.config.get_text_config()
-    limit = getattr(text_config, "max_position_embeddings", None) or context_length + max_drafts + 1
-    length = max(1, min(context_length, limit - max_drafts - 1))
-    generator = torch.Generator().manual_seed(0)
-    counts = sorted({min(w, max_drafts) for w in BATCH_PROFILE_WIDTHS} | {max_drafts})
-    medians, spreads, noisy = [], [], False
-    for size in batch_sizes:
-        tokens = torch.randint(0, text_config.vocab_size, (size, length + max_drafts + 1), generator=generator)
-        times, spread = _median_and_spread(_time_verify_passes(target, tokens.to(target.device), length, counts, repeats))
-        noisy = noisy or _is_noisy(times, spread)
-        medians.append(times)
-        spreads.append(spread)
-    return DSparkBatchVerifyProfile(batch_profile_key(target), list(batch_sizes), counts, length, medians, spreads,
-                                    noisy, time.perf_counter() - started)
-
-
 def batch_profile_key(target: PreTrainedModel) -> dict[str, str]:
     """The verify profile's key, marked as the batch axis (stored beside it, never mistaken for it)."""
     return {**verify_profile_key(target), "axis": "batch"}
@@ -414,9 +306,7 @@ __all__ = [
     "DSparkBatchVerifyProfile",
     "DSparkVerifyProfile",
     "batch_verify_profile",
-    "measure_batch_verify_profile",
-    "measure_verify_profile",
-    "store_drafter_dtype",
+    "drafter_dtype_path",
     "store_verify_profile",
     "stored_drafter_dtype",
     "verify_profile_key",

@@ -47,7 +47,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"accelerator": None, "note": "no CUDA device here; nothing to check"}))
         return 0
-    from dspark_hf.remote_code.profiling_dspark import measure_batch_verify_profile, measure_verify_profile
+    from dspark_hf.measuring import measure_batch_verify_profile, measure_verify_profile
 
     began = time.perf_counter()
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", str(ROOT / "tests" / "test_cuda.py")],

@@ -14,14 +14,9 @@ from typing import Any
 
 import torch
 
-from .remote_code.profiling_dspark import (
-    measure_batch_verify_profile,
-    measure_verify_profile,
-    store_drafter_dtype,
-    store_verify_profile,
-    verify_profile_path,
-)
 from .flags import positive_int
+from .measuring import measure_batch_verify_profile, measure_verify_profile, store_drafter_dtype
+from .remote_code.profiling_dspark import store_verify_profile, verify_profile_path
 from .progress import timed
 from .reporting import emit_report, machine_description
 from .targets import add_target_argument, check_drafter_dir, load_target, load_target_model

@@ -90,17 +90,17 @@ def _timed_call(target, inputs, max_new_tokens: int, do_sample: bool, seed: int,
         settings.update(temperature=None, top_k=None, top_p=None)
     settings.update(kwargs)
     torch.manual_seed(seed)
-    _synchronize(target.device)
+    synchronize(target.device)
     start = time.perf_counter()
     out = target.generate(**inputs, **settings)
-    _synchronize(target.device)
+    synchronize(target.device)
     return out, start, time.perf_counter() - start
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     """On an accelerator, wait for queued kernels so the clock reads finished work, not launched work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-__all__ = ["FirstTokenClock", "TimedGeneration", "timed_generate", "timed_generation"]
+__all__ = ["FirstTokenClock", "TimedGeneration", "synchronize", "timed_generate", "timed_generation"]

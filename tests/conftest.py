@@ -47,8 +47,10 @@ TINY_ARCHITECTURES = {
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
-def make_tiny_target(architecture: str = "llama", vocab_size: int = TINY_VOCAB, seed: int = 0, layers: int = 4):
-    """A small random causal LM (fp32, eval mode) with the given architecture."""
+def make_tiny_target(architecture: str = "llama", vocab_size: int = TINY_VOCAB, seed: int = 0, layers: int = 4,
+                     **config_overrides):
+    """A small random causal LM (fp32, eval mode) with the given architecture (and config fields, e.g. a sliding
+    window)."""
     config_class, model_class = TINY_ARCHITECTURES[architecture]
     config = config_class(
         hidden_size=64,
@@ -63,6 +65,7 @@ def make_tiny_target(architecture: str = "llama", vocab_size: int = TINY_VOCAB, 
         eos_token_id=2,
         pad_token_id=0,
         tie_word_embeddings=False,
+        **config_overrides,
     )
     torch.manual_seed(seed)
     return model_class(config).eval()

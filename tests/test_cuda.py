@@ -11,6 +11,7 @@ import torch
 from conftest import make_drafter, make_tiny_target
 from test_batching import PROMPTS, left_padded
 
+from dspark_hf import measuring
 from dspark_hf.remote_code import profiling_dspark
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")]
@@ -44,9 +45,9 @@ def test_profiles_time_the_gpu_and_are_keyed_by_it(pair):
     target, drafter = pair
     key = profiling_dspark.verify_profile_key(target)
     assert key["device"] == "cuda" and key["device_name"] == torch.cuda.get_device_name(target.device)
-    measured = profiling_dspark.measure_verify_profile(target, 3, context_lengths=(32,), repeats=2)
+    measured = measuring.measure_verify_profile(target, 3, context_lengths=(32,), repeats=2)
     assert all(t > 0 for row in measured.verify_time_s for t in row)
-    batch = profiling_dspark.measure_batch_verify_profile(target, 3, batch_sizes=(1, 8), repeats=2)
+    batch = measuring.measure_batch_verify_profile(target, 3, batch_sizes=(1, 8), repeats=2)
     assert all(t > 0 for row in batch.verify_time_s for t in row)
     target.generate(torch.tensor([PROMPTS[0]], device=DEVICE), max_new_tokens=16, do_sample=False, pad_token_id=0,
                     assistant_model=drafter)

@@ -13,7 +13,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from dspark_hf import DSparkDraftOutput
-from dspark_hf.remote_code import modeling_dspark, routing_dspark
+from dspark_hf.remote_code import modeling_dspark, routing_dspark, token_choice_dspark
 
 PROMPTS = [[1, 17, 42, 9], [1, 5, 5, 5, 60, 61, 62, 30, 11], [1, 88, 3, 77, 14, 50]]
 
@@ -193,16 +193,17 @@ def test_sampling_on_a_smaller_draft_vocabulary_with_top_p_matches_plain_samplin
 
 
 def test_draft_sampler_draws_from_the_given_probabilities():
-    """The drafter's inverse-CDF sampler: frequencies fit the probabilities (χ²) and zero-probability ids never come up,
-    at the ends of the vocabulary included."""
-    sample_from = modeling_dspark.sample_from
-    probs = torch.tensor([[0.0, 0.1, 0.0, 0.25, 0.05, 0.6, 0.0]])
+    """The drafter's inverse-CDF sampler, one draw per row: frequencies fit each row's probabilities (χ²) and
+    zero-probability ids never come up, at the ends of the vocabulary included."""
+    sample_from = token_choice_dspark.sample_from
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.25, 0.05, 0.6, 0.0], [0.5, 0.0, 0.2, 0.0, 0.0, 0.1, 0.2]])
     generator = torch.Generator().manual_seed(3)
-    counts = torch.zeros(probs.shape[-1])
+    counts = torch.zeros_like(probs)
     for _ in range(4000):
-        counts[sample_from(probs, generator)] += 1
-    assert counts[probs[0] == 0].sum() == 0
-    assert chi_square_p_value(counts, probs[0]) > ALPHA
+        counts[torch.arange(2), sample_from(probs, generator)] += 1
+    for row in range(2):
+        assert counts[row][probs[row] == 0].sum() == 0
+        assert chi_square_p_value(counts[row], probs[row]) > ALPHA
 
 
 def test_sampling_test_fails_when_q_skips_the_markov_bias():

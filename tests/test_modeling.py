@@ -72,6 +72,33 @@ def _draft_all(drafter, aux, anchor):
     return drafter.draft_block(cache, anchor)
 
 
+@pytest.mark.parametrize("markov_head_type", ["vanilla", "rnn"])
+def test_one_drafting_loop_drafts_each_row_of_a_padded_batch_as_that_row_alone(markov_head_type):
+    """`draft` over a left-padded batch (each row its own context columns and positions) gives every row the drafts,
+    logits and confidences `draft_block` gives it alone: the two drivers share one loop, one chooser, one schedule."""
+    from dspark_hf.remote_code.scheduling_dspark import DSparkDraftSchedule
+    from dspark_hf.remote_code.token_choice_dspark import DSparkTokenChooser
+
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, markov_head_type=markov_head_type, enable_confidence_head=True)
+    torch.manual_seed(2)
+    lengths, anchors = [5, 8, 3], torch.tensor([9, 4, 17])
+    alone = [_draft_all(drafter, torch.randn(1, n, 3 * 64), a) for n, a in zip(lengths, anchors.tolist())]
+    torch.manual_seed(2)
+    rows = [torch.randn(1, n, 3 * 64) for n in lengths]
+    mask = torch.tensor([[0] * (8 - n) + [1] * n for n in lengths])
+    aux = torch.cat([torch.cat([r.new_zeros(1, 8 - r.shape[1], r.shape[2]), r], dim=1) for r in rows])
+    positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+    cache = drafter.extend_context(DSparkContextCache(), aux, positions)
+    chooser = DSparkTokenChooser(drafter.draft_to_target_ids, drafter.config.vocab_size)
+    batch = drafter.draft(cache, anchors, drafter.num_draft_tokens, chooser, DSparkDraftSchedule(),
+                          mask.sum(-1), mask.bool())
+    for row, own in enumerate(alone):
+        assert torch.equal(batch.token_ids[row], own.token_ids[0])
+        torch.testing.assert_close(batch.draft_logits[row], own.draft_logits[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(batch.confidences[row], own.confidences[0], rtol=1e-5, atol=1e-5)
+
+
 def test_save_and_reload_with_trust_remote_code_in_a_fresh_process(tmp_path):
     target = make_tiny_target("llama")
     drafter = make_drafter(target, draft_vocab_size=64).to(torch.bfloat16)
@@ -268,22 +295,27 @@ def test_inference_reuses_a_recent_tokens_bias_row_until_the_weights_change():
     h1, h2 = torch.randn(1, 64), torch.randn(1, 64)
     prev = head.embed_previous(torch.tensor([5]))
     with torch.no_grad():
-        first, _ = head.token_step(h1, 5, prev, None)
-        again, _ = head.token_step(h2, 5, prev, None)
-        assert again is first and torch.equal(first, head.step(h1, prev, None)[0])
+        first, _ = head.token_step(h1, torch.tensor([5]), prev, None)
+        kept = head._bias_rows[5]
+        again, _ = head.token_step(h2, torch.tensor([5]), prev, None)
+        assert head._bias_rows[5] is kept and torch.equal(again, first) and torch.equal(first, head.step(h1, prev, None)[0])
+        rows = torch.tensor([5, 7, 5])  # a batch's rows: each gets its own previous token's row
+        batch, _ = head.token_step(h1.expand(3, -1), rows, head.embed_previous(rows), None)
+        assert torch.equal(batch[0], first[0]) and torch.equal(batch[2], first[0])
+        torch.testing.assert_close(batch[1], head.step(h1, head.embed_previous(torch.tensor([7])), None)[0][0])
         head.markov_w2.weight.mul_(2.0)  # an optimizer step or a load changes the weights in place
-        changed, _ = head.token_step(h1, 5, prev, None)
-        assert changed is not first and torch.equal(changed, head.step(h1, prev, None)[0])
+        changed, _ = head.token_step(h1, torch.tensor([5]), prev, None)
+        assert not torch.equal(changed, first) and torch.equal(changed, head.step(h1, prev, None)[0])
         head.markov_w2.weight = torch.nn.Parameter(head.markov_w2.weight * 0.5)  # a new tensor in its place
-        replaced, _ = head.token_step(h1, 5, prev, None)
+        replaced, _ = head.token_step(h1, torch.tensor([5]), prev, None)
         assert torch.equal(replaced, head.step(h1, prev, None)[0]) and not torch.equal(replaced, changed)
         head.bias_cache_bytes = 3 * changed.numel() * changed.element_size()
         for token in range(10):
-            head.token_step(h1, token, head.embed_previous(torch.tensor([token])), None)
+            head.token_step(h1, torch.tensor([token]), head.embed_previous(torch.tensor([token])), None)
         assert list(head._bias_rows) == [7, 8, 9]  # least recently used rows go first
         gated = make_drafter(target, markov_head_type="gated").markov_head
         prev = gated.embed_previous(torch.tensor([5]))
-        assert not torch.equal(gated.token_step(h1, 5, prev, None)[0], gated.token_step(h2, 5, prev, None)[0])
+        assert not torch.equal(gated.token_step(h1, torch.tensor([5]), prev, None)[0], gated.token_step(h2, torch.tensor([5]), prev, None)[0])
 
 
 def test_bias_rows_are_not_reused_when_an_adapter_wraps_the_markov_head():
@@ -295,9 +327,9 @@ def test_bias_rows_are_not_reused_when_an_adapter_wraps_the_markov_head():
     head = model.base_model.model.markov_head
     h, prev = torch.randn(1, 64), head.embed_previous(torch.tensor([5]))
     with torch.no_grad():
-        before, _ = head.token_step(h, 5, prev, None)
+        before, _ = head.token_step(h, torch.tensor([5]), prev, None)
         head.markov_w2.lora_B["default"].weight.normal_()  # an adapter update; W2's own weight is untouched
-        after, _ = head.token_step(h, 5, prev, None)
+        after, _ = head.token_step(h, torch.tensor([5]), prev, None)
     assert not torch.equal(before, after) and torch.equal(after, head.step(h, prev, None)[0])
 
 

@@ -22,7 +22,7 @@ from test_generation import (
     sampling_setup,
 )
 
-from dspark_hf import DSparkForDrafting, cli
+from dspark_hf import DSparkForDrafting, cli, measuring
 from dspark_hf.remote_code import generation_dspark, live_profiling_dspark, modeling_dspark, profiling_dspark
 from dspark_hf.remote_code.live_profiling_dspark import DSparkLiveVerifyProfile
 from dspark_hf.remote_code.settings_dspark import DSparkDraftingSettings
@@ -32,7 +32,13 @@ from dspark_hf.remote_code.profiling_dspark import (
     verify_profile_key,
     verify_profile_path,
 )
-from dspark_hf.remote_code.scheduling_dspark import DSparkDrafterBackoff, DSparkHardwareAwareSchedule, DSparkPromptLookup
+from dspark_hf.remote_code.live_profiling_dspark import DSparkRowCosts
+from dspark_hf.remote_code.scheduling_dspark import (
+    DSparkDrafterBackoff,
+    DSparkHardwareAwareSchedule,
+    DSparkPromptLookup,
+    make_schedule,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "smollm2-dspark"
 
@@ -55,12 +61,25 @@ def live(profile: DSparkVerifyProfile) -> DSparkLiveVerifyProfile:
     return DSparkLiveVerifyProfile.fresh(profile.key, profile.max_drafts, profile, None)
 
 
+def row_schedule(profile: DSparkLiveVerifyProfile, draft_time_s: float | None = None, **kwargs):
+    """The hardware-aware schedule of one row, priced by this live profile and a drafter time."""
+    return DSparkHardwareAwareSchedule(DSparkRowCosts(profile, draft_time_s), **kwargs)
+
+
+def observe(schedule, num_drafted: int, num_accepted: int, verify_s: float = 1.0, draft_s: float | None = None,
+            drafter_ran: bool = True):
+    """One row's round outcome, as the candidate generator reports it."""
+    return schedule.observe_round(torch.tensor([num_drafted]), torch.tensor([num_accepted]), drafter_ran, draft_s,
+                                  verify_s)
+
+
 def drafted(schedule: DSparkHardwareAwareSchedule, confidences: list[float]) -> int:
-    """How many drafts the schedule admits, left to right, for these calibrated confidences c_1, c_2, ..."""
+    """How many drafts the schedule admits, left to right, for these calibrated confidences c_1, c_2, ... (one row's
+    numbers, or a tensor of every row's per position)."""
     schedule.start()
     count = 0
     for c in confidences:
-        if not schedule.admit(c):
+        if not schedule.admit(torch.as_tensor(c, dtype=torch.float64).reshape(-1)):
             break
         count += 1
     return count
@@ -72,18 +91,18 @@ def drafted(schedule: DSparkHardwareAwareSchedule, confidences: list[float]) -> 
 
 def test_no_drafts_when_every_extra_token_costs_a_full_step():
     """t(k) = (1 + k)·t(0): even near-certain drafts cannot beat a plain step (expected tokens < 1 + k)."""
-    schedule = DSparkHardwareAwareSchedule(live(linear_profile(1.0)), draft_time_s=0.0)
+    schedule = row_schedule(live(linear_profile(1.0)), draft_time_s=0.0)
     assert drafted(schedule, [0.99] * 7) == 0
     assert drafted(schedule, [0.3] * 7) == 0
 
 
 def test_full_blocks_when_verify_is_nearly_free():
-    schedule = DSparkHardwareAwareSchedule(live(linear_profile(0.01)), draft_time_s=0.05)
+    schedule = row_schedule(live(linear_profile(0.01)), draft_time_s=0.05)
     assert drafted(schedule, [0.8] * 7) == 7
 
 
 def test_cheaper_verify_means_longer_blocks():
-    lengths = [drafted(DSparkHardwareAwareSchedule(live(linear_profile(s)), draft_time_s=0.05), [0.7] * 7)
+    lengths = [drafted(row_schedule(live(linear_profile(s)), draft_time_s=0.05), [0.7] * 7)
                for s in (0.01, 0.1, 0.25, 0.5, 1.0)]
     assert lengths == sorted(lengths, reverse=True)
     assert lengths[0] == 7 and 0 < lengths[2] < 7 and lengths[-1] == 0
@@ -91,20 +110,20 @@ def test_cheaper_verify_means_longer_blocks():
 
 def test_no_drafts_when_the_drafter_costs_more_than_it_saves():
     """Flat t(k), but the drafter's own time per round is three plain steps: drafting cannot pay."""
-    assert drafted(DSparkHardwareAwareSchedule(live(linear_profile(0.0)), draft_time_s=3.0), [0.7] * 7) == 0
-    assert drafted(DSparkHardwareAwareSchedule(live(linear_profile(0.0)), draft_time_s=0.1), [0.7] * 7) == 7
+    assert drafted(row_schedule(live(linear_profile(0.0)), draft_time_s=3.0), [0.7] * 7) == 0
+    assert drafted(row_schedule(live(linear_profile(0.0)), draft_time_s=0.1), [0.7] * 7) == 7
 
 
 def test_block_stops_where_confidence_drops():
-    schedule = DSparkHardwareAwareSchedule(live(linear_profile(0.1)), draft_time_s=0.05)
+    schedule = row_schedule(live(linear_profile(0.1)), draft_time_s=0.05)
     assert drafted(schedule, [0.95, 0.95, 0.9, 0.05, 0.95, 0.95, 0.95]) == 3
 
 
 def test_min_gain_raises_the_bar_for_drafting_but_not_the_length_of_a_drafted_block():
     """A drafted round must promise `min_gain` × a plain step's rate; among drafted lengths nothing changes."""
     marginal, sure = [0.45] * 7, [0.95, 0.95, 0.9, 0.05, 0.95, 0.95, 0.95]
-    plain_bar = DSparkHardwareAwareSchedule(live(linear_profile(0.3)), draft_time_s=0.05)
-    raised_bar = DSparkHardwareAwareSchedule(live(linear_profile(0.3)), draft_time_s=0.05, min_gain=1.3)
+    plain_bar = row_schedule(live(linear_profile(0.3)), draft_time_s=0.05)
+    raised_bar = row_schedule(live(linear_profile(0.3)), draft_time_s=0.05, min_gain=1.3)
     assert drafted(plain_bar, marginal) > 0 and drafted(raised_bar, marginal) == 0
     assert drafted(plain_bar, sure) == drafted(raised_bar, sure) == 3
 
@@ -119,14 +138,14 @@ def test_greedy_lookahead_sees_past_a_weak_first_draft_and_cuts_back_after_a_dip
     verify cost jumps at k = 3, three sure drafts lure a left-to-right schedule past it; with lookahead it drafts
     on (later drafts could have been sure), sees c_4 fall and proposes k = 2, the better stop."""
     weak_start = [0.15] + [0.95] * 6
-    left_to_right = DSparkHardwareAwareSchedule(live(linear_profile(0.1)), draft_time_s=0.05)
-    lookahead = DSparkHardwareAwareSchedule(live(linear_profile(0.1)), draft_time_s=0.05, lookahead=True)
+    left_to_right = row_schedule(live(linear_profile(0.1)), draft_time_s=0.05)
+    lookahead = row_schedule(live(linear_profile(0.1)), draft_time_s=0.05, lookahead=True)
     assert drafted(left_to_right, weak_start) == 0 and proposed(lookahead, weak_start) == 7
     assert drafted(lookahead, [0.01] * 7) == 0  # nothing later could rescue it: the drafter stops at once
 
     jump, fall = synthetic_profile([1.0, 1.2, 1.4, 2.5, 2.6, 2.7, 2.8, 2.9]), [0.9, 0.9, 0.9, 0.2, 0.2, 0.2, 0.2]
-    assert drafted(DSparkHardwareAwareSchedule(live(jump), draft_time_s=0.05), fall) >= 3
-    lookahead = DSparkHardwareAwareSchedule(live(jump), draft_time_s=0.05, lookahead=True)
+    assert drafted(row_schedule(live(jump), draft_time_s=0.05), fall) >= 3
+    lookahead = row_schedule(live(jump), draft_time_s=0.05, lookahead=True)
     assert drafted(lookahead, fall) == 3 and lookahead.finish(3) == 2
 
 
@@ -137,28 +156,28 @@ def test_schedule_follows_the_context_length_and_the_live_verify_speed():
         verify_time_s=[[1.0 + 0.01 * k for k in range(8)], [1.0 + 1.0 * k for k in range(8)]], spread_s=[[0.0] * 8] * 2,
     )
     assert profile.verify_time(3, 136) == pytest.approx((1.03 + 4.0) / 2)
-    schedule = DSparkHardwareAwareSchedule(live(profile), draft_time_s=0.05)
+    schedule = row_schedule(live(profile), draft_time_s=0.05)
     schedule.context_length = 16
     assert drafted(schedule, [0.8] * 7) == 7
     schedule.context_length = 256
     assert drafted(schedule, [0.8] * 7) == 0
     schedule.context_length = 16
     for _ in range(40):  # the drafter's own time per round grows to half a profiled step: still worth it
-        schedule.observe_draft_time(0.5)
-    assert schedule.draft_time_s == pytest.approx(0.5, rel=1e-2)
+        observe(schedule, 0, 0, draft_s=0.5)
+    assert schedule.costs.draft_time_s == pytest.approx(0.5, rel=1e-2)
     assert drafted(schedule, [0.8] * 7) == 7
     for _ in range(40):  # verify passes now run 10× faster than profiled: the same drafter time weighs 10× more
-        schedule.observe_verify_time(0, 16, 0.1)
-    assert schedule.profile.verify_time(0, 16) == pytest.approx(0.1, rel=1e-2)
-    assert schedule.profile.verify_time(7, 16) == pytest.approx(0.107, rel=1e-2)  # k unseen: its neighbours' ratio
+        observe(schedule, 0, 0, verify_s=0.1, drafter_ran=False)
+    assert schedule.costs.profile.verify_time(0, 16) == pytest.approx(0.1, rel=1e-2)
+    assert schedule.costs.profile.verify_time(7, 16) == pytest.approx(0.107, rel=1e-2)  # k unseen: its neighbours' ratio
     schedule.start()
     assert drafted(schedule, [0.8] * 7) == 0
 
 
 def test_noisy_profile_falls_back_to_the_threshold_rule():
     """On a noisy profile the schedule admits while a_n = Π c_i ≥ 0.5, whatever the timings say."""
-    assert drafted(DSparkHardwareAwareSchedule(live(linear_profile(1.0)), draft_time_s=0.0), [0.8] * 7) == 0
-    noisy = DSparkHardwareAwareSchedule(live(linear_profile(1.0, noisy=True)), draft_time_s=0.0)
+    assert drafted(row_schedule(live(linear_profile(1.0)), draft_time_s=0.0), [0.8] * 7) == 0
+    noisy = row_schedule(live(linear_profile(1.0, noisy=True)), draft_time_s=0.0)
     assert drafted(noisy, [0.8] * 7) == 3  # 0.8, 0.64, 0.512, then 0.41 < 0.5
 
 
@@ -169,8 +188,8 @@ def test_profile_noise_is_detected_from_the_timings(monkeypatch):
     target = make_tiny_target("llama")
 
     def fake_timings(samples_per_k):
-        monkeypatch.setattr(profiling_dspark, "_time_verify_passes", lambda *args: [list(s) for s in samples_per_k])
-        return profiling_dspark.measure_verify_profile(target, 3, context_lengths=(16,), repeats=4)
+        monkeypatch.setattr(measuring, "_time_verify_passes", lambda *args: [list(s) for s in samples_per_k])
+        return measuring.measure_verify_profile(target, 3, context_lengths=(16,), repeats=4)
 
     clean = fake_timings([[1.0, 1.01, 1.0, 1.02], [1.1, 1.1, 1.11, 1.1], [1.2, 1.21, 1.2, 1.2], [1.4, 1.4, 1.41, 1.4]])
     assert not clean.noisy
@@ -193,8 +212,8 @@ def test_measured_profile_times_every_draft_count(monkeypatch):
         asked.append(list(counts))
         return [[1.0 + 0.1 * k] * repeats for k in counts]
 
-    monkeypatch.setattr(profiling_dspark, "_time_verify_passes", timer)
-    profile = profiling_dspark.measure_verify_profile(target, 5, context_lengths=(16, 32), repeats=4)
+    monkeypatch.setattr(measuring, "_time_verify_passes", timer)
+    profile = measuring.measure_verify_profile(target, 5, context_lengths=(16, 32), repeats=4)
     assert asked == [[0, 1, 2, 3, 4, 5]] * 2
     assert profile.max_drafts == 5
 
@@ -205,23 +224,23 @@ def test_measured_profile_times_every_draft_count(monkeypatch):
 
 def test_online_bias_learns_from_the_drafts_verification_reached():
     """Each reached draft (all before it accepted) is one outcome; drafts after the first rejection teach nothing."""
-    schedule = DSparkHardwareAwareSchedule(live(linear_profile(0.0)), draft_time_s=0.0)
+    schedule = row_schedule(live(linear_profile(0.0)), draft_time_s=0.0)
     assert drafted(schedule, [0.5] * 3) == 3
-    assert schedule.observe_outcome(3, 0) == (pytest.approx(0.5), 0, 1)  # draft 1 rejected: drafts 2, 3 never verified
+    assert observe(schedule, 3, 0) == (pytest.approx(0.5), 0, 1)  # draft 1 rejected: drafts 2, 3 never verified
     assert schedule.bias == pytest.approx(-schedule.recalibration_rate * 0.5)
     drafted(schedule, [0.5] * 3)
-    predicted, accepted, reached = schedule.observe_outcome(3, 3)  # all three accepted: the bias rises again
+    predicted, accepted, reached = observe(schedule, 3, 3)  # all three accepted: the bias rises again
     assert accepted == reached == 3 and schedule.bias > 0
     for _ in range(500):  # a long run of misses lowers confidences, but never pins them at 0
         drafted(schedule, [0.9] * 3)
-        schedule.observe_outcome(3, 0)
+        observe(schedule, 3, 0)
     assert schedule.bias == -schedule.max_bias
 
 
 def test_lowered_confidences_draft_fewer_tokens():
     """The same offline confidences, after the bias learned that they overstate survival, buy shorter blocks."""
-    trusting = DSparkHardwareAwareSchedule(live(linear_profile(0.3)), draft_time_s=0.0)
-    doubtful = DSparkHardwareAwareSchedule(live(linear_profile(0.3)), draft_time_s=0.0)
+    trusting = row_schedule(live(linear_profile(0.3)), draft_time_s=0.0)
+    doubtful = row_schedule(live(linear_profile(0.3)), draft_time_s=0.0)
     doubtful.bias = -1.5
     assert drafted(trusting, [0.8] * 7) > drafted(doubtful, [0.8] * 7) > 0
 
@@ -311,9 +330,7 @@ def test_greedy_lookahead_proposes_fewer_than_it_drafted_and_stays_token_identic
     monkeypatch.setattr(DSparkHardwareAwareSchedule, "finish", finish)
     # the costs are the profile's and a fixed draft time, not the live timings, so the choices depend on the
     # confidences alone, not on how busy the machine is
-    monkeypatch.setattr(DSparkHardwareAwareSchedule, "observe_draft_time",
-                        lambda self, seconds: setattr(self, "draft_time_s", DRAFT_TIME_S))
-    monkeypatch.setattr(DSparkHardwareAwareSchedule, "observe_verify_time", lambda self, *args: None)
+    monkeypatch.setattr(DSparkRowCosts, "observe", lambda self, *args: setattr(self, "draft_time_s", DRAFT_TIME_S))
     for prompt in PROMPTS:
         expected = greedy(target, prompt, max_new_tokens=24, eos_token_id=None)
         assert torch.equal(greedy(target, prompt, max_new_tokens=24, eos_token_id=None, assistant_model=drafter), expected)
@@ -330,10 +347,11 @@ def test_lookahead_is_on_for_greedy_only_and_can_be_turned_off(monkeypatch):
     greedy_rounds = len(seen)
     target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=True, eos_token_id=None, pad_token_id=0,
                     assistant_model=drafter)
-    assert len(seen) == greedy_rounds  # sampling never cuts a block back
+    assert seen[greedy_rounds:] and not any(seen[greedy_rounds:])  # sampling never cuts a block back
+    sampled_rounds = len(seen)
     drafter.generation_config.dspark_lookahead = False
     greedy(target, PROMPTS[0], max_new_tokens=8, eos_token_id=None, assistant_model=drafter)
-    assert len(seen) > greedy_rounds and not any(seen[greedy_rounds:])
+    assert len(seen) > sampled_rounds and not any(seen[sampled_rounds:])
 
 
 def test_skipped_rounds_reach_the_drafter_context_in_one_later_extension(monkeypatch):
@@ -569,7 +587,7 @@ def profile_home(tmp_path, monkeypatch):
         measured.append(max_drafts)
         return linear_profile(0.1, max_drafts, key=verify_profile_key(target))
 
-    monkeypatch.setattr(profiling_dspark, "measure_verify_profile", fake_measure)
+    monkeypatch.setattr(measuring, "measure_verify_profile", fake_measure)
     return measured
 
 
@@ -612,11 +630,12 @@ def test_a_stored_measured_profile_shapes_the_live_one_and_live_rounds_correct_i
 
 
 def test_a_noisy_profile_is_refined_by_live_rounds_not_abandoned():
-    schedule = DSparkHardwareAwareSchedule(live(linear_profile(1.0, noisy=True)), draft_time_s=0.0)
+    schedule = row_schedule(live(linear_profile(1.0, noisy=True)), draft_time_s=0.0)
     assert drafted(schedule, [0.8] * 7) == 3  # nothing to rank k by yet: the threshold rule
+    schedule.context_length = 16
     for k in range(8):
-        schedule.observe_verify_time(k, 16, 1.0)  # every k as cheap as a plain step here
-    assert not schedule.profile.noisy
+        observe(schedule, k, 0, verify_s=1.0, drafter_ran=False)  # every k as cheap as a plain step here
+    assert not schedule.costs.noisy
     assert drafted(schedule, [0.8] * 7) == 7
 
 
@@ -659,8 +678,8 @@ def test_profile_identity_covers_dtype_and_target():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(live_profiling_dspark, "_read_stored_profile", lambda path, k: linear_profile(9.0, 5, key=key))
         settings = dataclasses.replace(DSparkDraftingSettings.from_drafter(drafter), num_drafts=5)
-        schedule = generation_dspark.make_schedule(drafter, target, settings, do_sample=False)
-    assert schedule.profile.key == key and schedule.profile.verify_time(1, 16) == 10.0
+        schedule = make_schedule(settings, False, lambda: drafter.drafting_state.row_costs_for(target, settings.num_drafts))
+    assert schedule.costs.profile.key == key and schedule.costs.profile.verify_time(1, 16) == 10.0
 
 
 def test_profile_command_measures_stores_and_prints_the_table(tmp_path, monkeypatch, capsys):

@@ -3,8 +3,8 @@
 
 Remote-code file (imports only torch and transformers). transformers' assisted loop serves one row; for a batch the
 routing hook (`routing_dspark.py`) calls this loop instead. Every round the drafter drafts a block for every active
-row in one pass, the width schedule picks how many drafts each row verifies (`batch_widths_dspark.py`), and the
-target verifies all rows in one forward: packed over each row's own anchor and drafts (`packing_dspark.py`), or padded
+row in one pass (the same drafting loop, token chooser and schedule as one row), the schedule picks how many drafts
+each row verifies (`scheduling_dspark.py`, priced by the batch round costs), and the target verifies all rows in one forward: packed over each row's own anchor and drafts (`packing_dspark.py`), or padded
 to the widest row where packing cannot serve the target. Rows accept different numbers of drafts, so the caches
 become ragged: a rejected draft's column stays in the target's cache but is masked out of attention from then on (a
 mask with holes), each row's position ids count only its valid columns, columns no row needs are cropped, and the
@@ -12,8 +12,8 @@ caches are compacted when holes pile up (`batch_rows_dspark.py` keeps that layou
 A finished row leaves the batch. Each row therefore sees exactly its own tokens, as in plain batched `generate`:
 greedy rows are the target's own argmax, sampled rows pass speculative sampling row by row.
 
-Reading order: token choice for a batch → what a batch cannot do → the width schedule → one batched call: prefill,
-draft, verify, accept, commit, stop → the output in `generate`'s layout.
+Reading order: what a batch cannot do → one batched call: prefill, draft, verify, accept, commit, stop → the output
+in `generate`'s layout.
 """
 
 from __future__ import annotations
@@ -25,58 +25,16 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .batch_widths_dspark import (
-    DSparkBatchHardwareWidth,
-    DSparkBatchRoundCosts,
-    DSparkBatchThresholdWidth,
-    DSparkBatchVerifyCostWidth,
-    DSparkBatchWidth,
-)
 from .batch_rows_dspark import DSparkBatchIds, DSparkBatchRows, DSparkBatchScores
 from .generation_dspark import DSparkGenerationStats, check_generation_limits, decoding_key
-from .packing_dspark import DSparkPackedCache, DSparkPacking, install_packed_attention, packs
+from .packing_dspark import DSparkPackedCache, DSparkPacking, attention_windows, install_packed_attention, packs
+from .scheduling_dspark import make_schedule
 from .settings_dspark import DSparkDraftingSettings, prepare_drafter
-
-# Warpers that read nothing but the scores' probabilities: on the draft vocabulary they keep and rescale exactly the
-# tokens they would keep among the same logits scattered to the target vocabulary (-inf elsewhere has probability 0),
-# and on a batch they treat every row alike, whatever ids it holds.
-VOCAB_AGNOSTIC_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
-
-
-class DSparkBatchTokenChooser:
-    """Chooses one draft per row of a batch from its Markov-corrected logits (b, V_d): the argmax when greedy; when
-    sampling, a draw after the probability-only warpers (temperature, top-k, top-p, min-p) on the draft vocabulary.
-    Other processors read each row's own ids and are left to verification: a draft needs only to be drawn from the q
-    that verification is given, and the warpers bring q close to the target's p."""
-
-    def __init__(self, draft_to_target: torch.LongTensor, vocab_size: int, do_sample: bool = False,
-                 logits_processor: LogitsProcessorList | None = None):
-        self.draft_to_target, self.vocab_size, self.do_sample = draft_to_target, vocab_size, do_sample
-        self.warpers = LogitsProcessorList(p for p in logits_processor or () if isinstance(p, VOCAB_AGNOSTIC_WARPERS))
-
-    def choose(self, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        """Draft logits (b, V_d) -> target ids (b,) and the scores they were drawn from (b, V_d), or None if greedy."""
-        if not self.do_sample:
-            return self.draft_to_target[logits.argmax(dim=-1)], None
-        scores = self.warpers(logits.new_zeros((logits.shape[0], 1), dtype=torch.long), logits) if self.warpers else logits
-        return self.draft_to_target[torch.multinomial(F.softmax(scores, dim=-1), 1).squeeze(1)], scores
-
-    def target_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """Scores (b, n, V_d) on the target vocabulary (b, n, V_t), -inf outside the draft vocabulary."""
-        full = scores.new_full((*scores.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., self.draft_to_target] = scores
-        return full
-
+from .token_choice_dspark import VOCAB_AGNOSTIC_WARPERS, DSparkTokenChooser
 
 def check_batch_limits(target: PreTrainedModel, generation_config: GenerationConfig, attention_mask, streamer):
     """What a batch cannot do with a DSpark drafter, each as one line naming the fix."""
@@ -94,22 +52,6 @@ def check_batch_limits(target: PreTrainedModel, generation_config: GenerationCon
                          "tokenize with padding_side=\"left\".")
 
 
-def batch_width_schedule(drafter, target: PreTrainedModel, settings: DSparkDraftingSettings, do_sample: bool, key: tuple):
-    """The width schedule the drafting settings ask for (the batch forms of the batch-1 schedules); the hardware
-    schedule is priced by the target's measured t(B, w) and by the live round costs earlier calls of the same decoding
-    setting (`key`) saw."""
-    if settings.verify_cost is not None:
-        return DSparkBatchVerifyCostWidth(settings.verify_cost, settings.confidence_threshold)
-    if settings.confidence_threshold is not None:
-        return DSparkBatchThresholdWidth(settings.confidence_threshold)
-    if not settings.hardware:
-        return DSparkBatchWidth()
-    state = drafter.drafting_state
-    profile = state.batch_verify_profile_for(target, settings.num_drafts)
-    return DSparkBatchHardwareWidth(profile, settings.num_drafts, settings.min_gain, settings.lookahead and not do_sample,
-                                    live=state.batch_round_costs.setdefault(key, DSparkBatchRoundCosts()))
-
-
 class DSparkBatchGeneration:
     """One batched `generate` call with a DSpark drafter (see the module docstring)."""
 
@@ -124,13 +66,17 @@ class DSparkBatchGeneration:
         self.pads_finished = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
         self.model_kwargs = model_kwargs
         self.do_sample = bool(generation_config.do_sample)
+        self.windows = attention_windows(target)  # attention layer type -> sliding window (None: full)
+        self.windowed = any(self.windows.values())
         self.aux_layer_ids = list(drafter.config.aux_hidden_state_layer_ids)
         self.settings = DSparkDraftingSettings.from_drafter(drafter)
         self.bias_key = decoding_key(target, generation_config)
-        self.schedule = batch_width_schedule(drafter, target, self.settings, self.do_sample, self.bias_key)
-        self.schedule.bias = drafter.drafting_state.confidence_bias.get(self.bias_key, 0.0)
-        self.chooser = DSparkBatchTokenChooser(drafter.draft_to_target_ids, drafter.config.vocab_size, self.do_sample,
-                                               logits_processor)
+        state, num_drafts = drafter.drafting_state, self.settings.num_drafts
+        self.schedule = make_schedule(self.settings, self.do_sample,
+                                      lambda: state.batch_costs_for(target, num_drafts, self.bias_key))
+        self.schedule.bias = state.confidence_bias.get(self.bias_key, 0.0)
+        self.chooser = DSparkTokenChooser(drafter.draft_to_target_ids, drafter.config.vocab_size, self.do_sample,
+                                          logits_processor)
         self.stats = drafter.drafting_state.last_stats = DSparkGenerationStats(num_draft_tokens=drafter.num_draft_tokens)
         self.drafter_ran = True  # whether the drafter ran this round (`_draft` says)
         returns = generation_config.return_dict_in_generate
@@ -160,10 +106,7 @@ class DSparkBatchGeneration:
         cache = self.model_kwargs.get("cache")
         if cache is not None and cache.get_seq_length() > 0:
             raise ValueError("DSpark batched speculation starts from an empty cache; drop the `cache` you passed.")
-        cache = DSparkPackedCache(config=self.target.config)  # the same layers as generate's, able to take packed rounds
-        if any(type(layer) is not DynamicLayer for layer in cache.layers):
-            raise ValueError("DSpark batched speculation needs a target whose cache is full attention only (no sliding "
-                             "window or recurrent layers); generate one prompt at a time.")
+        cache = self._new_cache()
         self.packed = self.settings.packed_verification and packs(self.target, cache)
         self.schedule.packed = self.stats.packed = self.packed
         positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
@@ -180,6 +123,23 @@ class DSparkBatchGeneration:
         batch.anchor = first
         self._commit(batch, [[int(t)] for t in first])
         return batch
+
+    def _new_cache(self) -> DSparkPackedCache:
+        """The target's cache for this call: generate's own layers where every layer attends fully; with sliding
+        windows, layers that keep every column (holes scatter a row's last positions, so the round's masks cut each
+        window instead: `_round_mask`). Other layers (recurrent, chunked) and attention kernels that take no 4-D mask
+        are refused."""
+        kinds = set(self.windows) - {"full_attention", "sliding_attention"}
+        kernel = self.target.config._attn_implementation
+        if kinds or (self.windowed and kernel not in ("sdpa", "eager")):
+            raise ValueError(f"DSpark batched speculation serves full and sliding-window attention layers through sdpa or "
+                             f"eager attention (this target: {', '.join(sorted(self.windows))}, {kernel}); generate one "
+                             "prompt at a time.")
+        cache = DSparkPackedCache() if self.windowed else DSparkPackedCache(config=self.target.config)
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+            raise ValueError("DSpark batched speculation needs a target whose cache keeps attention keys and values only "
+                             "(no recurrent layers); generate one prompt at a time.")
+        return cache
 
     def _extend_context(self, batch: DSparkBatchRows, hidden_states, positions: torch.LongTensor):
         """The drafter's context gets the same new columns as the target's cache (holes included, masked later)."""
@@ -201,9 +161,9 @@ class DSparkBatchGeneration:
         logits, raw, outputs = self._verify(batch, drafts.token_ids, counts)
         accepted, bonus = self._accept(batch, drafts, counts, logits)
         self._keep_scores(batch.rows, logits, raw, accepted)
-        self.schedule.observe_round(counts, accepted, batch.rows.numel(), self.drafter_ran, drafted_s,
-                                    time.perf_counter() - started - drafted_s)
-        self._record(counts, accepted, drafted_s, time.perf_counter() - started - drafted_s)
+        verified_s = time.perf_counter() - started - drafted_s
+        outcome = self.schedule.observe_round(counts, accepted, self.drafter_ran, drafted_s, verified_s)
+        self._record(counts, accepted, drafted_s, verified_s, outcome)
         self._advance(batch, drafts.token_ids, counts, accepted, bonus, outputs)
 
     def _room(self, batch: DSparkBatchRows) -> torch.LongTensor:
@@ -221,8 +181,8 @@ class DSparkBatchGeneration:
             return SimpleNamespace(token_ids=batch.anchor.new_zeros((batch.anchor.shape[0], 0)), target_logits=None)
         self.drafter_ran = True
         device = self.drafter.fc.weight.device
-        return self.drafter.draft_batch(batch.drafter_cache, batch.anchor.to(device), batch.next_position.to(device),
-                                        batch.mask.bool().to(device), room, self.chooser, self.schedule)
+        return self.drafter.draft(batch.drafter_cache, batch.anchor.to(device), room, self.chooser, self.schedule,
+                                  batch.next_position.to(device), batch.mask.bool().to(device))
 
     @staticmethod
     def _trimmed(drafts, width: int):
@@ -245,9 +205,21 @@ class DSparkBatchGeneration:
         processed = self._processed(batch, ids, packing.valid, raw.clone() if self.wants_logits else raw)
         return processed, raw, outputs
 
+    def _round_mask(self, batch: DSparkBatchRows, packing: DSparkPacking, positions: torch.LongTensor):
+        """Full attention: the rows' columns as a 2-D mask (padded; transformers adds the rest) or the 4-D one (packed).
+        Sliding windows: a 4-D mask per layer type (a dict where types differ), from each row's own positions."""
+        if not self.windowed:
+            return packing.attention_mask(batch.mask) if self.packed else torch.cat([batch.mask, packing.valid.long()], 1)
+        key_positions = torch.cat([batch.mask.cumsum(-1) - 1, positions], dim=1)
+        masks = packing.windowed_masks(batch.mask, key_positions, self.windows)
+        if self.target.config._attn_implementation == "eager":  # eager adds its mask to the scores
+            lowest = torch.finfo(self.target.dtype).min
+            masks = {kind: torch.zeros(m.shape, dtype=self.target.dtype).masked_fill_(~m, lowest) for kind, m in masks.items()}
+        return masks if len(masks) > 1 else next(iter(masks.values()))
+
     def _padded_forward(self, batch: DSparkBatchRows, ids: torch.LongTensor, packing: DSparkPacking):
         positions = batch.next_position[:, None] + torch.arange(ids.shape[1], device=ids.device)
-        return self.target(input_ids=ids, attention_mask=torch.cat([batch.mask, packing.valid.long()], dim=1),
+        return self.target(input_ids=ids, attention_mask=self._round_mask(batch, packing, positions),
                            position_ids=positions, cache=batch.target_cache, use_cache=True,
                            output_hidden_states=self.aux_layer_ids)
 
@@ -257,7 +229,7 @@ class DSparkBatchGeneration:
         cache = batch.target_cache
         cache.packing = packing
         try:
-            outputs = self.target(input_ids=packing.pack(ids), attention_mask=packing.attention_mask(batch.mask),
+            outputs = self.target(input_ids=packing.pack(ids), attention_mask=self._round_mask(batch, packing, positions),
                                   position_ids=packing.pack(positions), cache=cache, use_cache=True,
                                   output_hidden_states=self.aux_layer_ids, dspark_packing=packing)
         finally:
@@ -379,7 +351,7 @@ class DSparkBatchGeneration:
             return True
         return None not in self.stopped_at and self.ids.new_tokens(row) >= max(self.stopped_at)
 
-    def _record(self, counts, accepted, draft_s: float, verify_s: float):
+    def _record(self, counts, accepted, draft_s: float, verify_s: float, outcome: tuple[float, int, int] | None):
         width = int(counts.max()) if counts.numel() else 0
         self.stats.widths.append(width)
         self.stats.round_rows.append(int(counts.numel()))
@@ -389,6 +361,11 @@ class DSparkBatchGeneration:
         self.stats.accepted += accepted.tolist()
         self.stats.draft_time_s += draft_s
         self.stats.verify_time_s += verify_s
+        if outcome is not None:  # the drafts verification reached, against their predicted survival
+            predicted, observed, verified = outcome
+            self.stats.confidence_predicted += predicted
+            self.stats.confidence_observed += observed
+            self.stats.confidence_verified += verified
 
     def _output(self):
         """Plain generate's layout: the padded prompts, then each row's tokens, padded after a finished row."""
@@ -407,4 +384,4 @@ class DSparkBatchGeneration:
 
 install_packed_attention()
 
-__all__ = ["DSparkBatchGeneration", "DSparkBatchTokenChooser", "VOCAB_AGNOSTIC_WARPERS", "check_batch_limits"]
+__all__ = ["DSparkBatchGeneration", "check_batch_limits"]

@@ -1,17 +1,12 @@
 # Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
-"""Packed verification: a batch round's target forward over only the tokens it verifies.
+"""Packed verification: a batch round's target forward over only the tokens it verifies (design §4).
 
-Remote-code file (imports only torch and transformers). A padded round verifies B × (w + 1) tokens through every
-projection, MLP and the LM head, so every row pays for the widest. A packed round lays the rows' anchors and verified
-drafts end to end as one sequence (1, N), N = Σ_r (l_r + 1), each token at its own row's position, and only attention
-sees the rows apart: the cache (`DSparkPackedCache`) unpacks each layer's new keys and values to the rows' padded
-layout (a, kv heads, W, d) before storing them (W = the widest row's l_r + 1; a shorter row's extra columns are holes,
-masked like a rejected draft's), and the attention function, wrapped around transformers' registered SDPA
-implementation, unpacks the queries the same way, attends with the round's 4-D mask (exact per row over that row's
-own cache) and packs the output again. Embeddings, norms, projections, MLP and the LM head run over N tokens.
-
-This serves any decoder that goes through transformers' attention interface with the "sdpa" implementation and a
-full-attention `DynamicCache` (`packs(target)`); the batch loop verifies padded otherwise, and its stats say so.
+Remote-code file (imports only torch and transformers). The rows' anchors and verified drafts run end to end as one
+sequence (1, Σ_r (l_r + 1)); only attention sees the rows apart: `DSparkPackedCache` stores each layer's new keys and
+values in the rows' padded layout (a shorter row's extra columns are holes), and the wrapped SDPA attention function
+unpacks the queries, attends per row with the round's 4-D mask, and packs the output again. Serves any decoder on
+transformers' "sdpa" attention (`packs(target)`); others are verified padded. Sliding-window layers get masks of
+their own, from the rows' own positions (`windowed_masks`).
 """
 
 from __future__ import annotations
@@ -62,6 +57,23 @@ class DSparkPacking:
         cached = cache_mask.bool()[:, None, :].expand(-1, self.width, -1)  # (a, W, T)
         return torch.cat([cached, new], dim=-1)[:, None]
 
+    def windowed_masks(self, cache_mask: torch.Tensor, key_positions: torch.LongTensor,
+                       windows: dict[str, int | None]) -> dict[str, torch.Tensor]:
+        """The round's mask per attention layer type: `attention_mask`, and in a sliding layer of window n only the
+        keys fewer than n of the row's own positions behind each query (`key_positions` (a, T + W), the round's last
+        W columns being its queries): a row's holes make column distance no measure of it."""
+        mask, queries = self.attention_mask(cache_mask), key_positions[:, -self.width :]
+        behind = queries[:, None, :, None] - key_positions[:, None, None, :]  # (a, 1, W, T + W)
+        return {kind: mask if window is None else mask & (behind < window) for kind, window in windows.items()}
+
+
+def attention_windows(target: PreTrainedModel) -> dict[str, int | None]:
+    """Each attention layer type of the target and its sliding window (None: full attention)."""
+    config = target.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"]
+    return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(kinds)}
+
 
 class DSparkPackedCache(DynamicCache):
     """A `DynamicCache` that, while `packing` is set (one verify forward), stores packed new keys and values in the
@@ -100,10 +112,10 @@ def install_packed_attention():
 
 
 def packs(target: PreTrainedModel, cache) -> bool:
-    """Whether a round of this target can be verified packed: SDPA attention, and a packing cache of full-attention
-    layers only (the batch loop makes one for every target it serves)."""
+    """Whether a round of this target can be verified packed: SDPA attention, and a packing cache whose layers keep
+    every column (the batch loop makes one for every target it serves)."""
     return (target.config._attn_implementation == PACKED_IMPLEMENTATION and isinstance(cache, DSparkPackedCache)
             and all(type(layer) is DynamicLayer for layer in cache.layers))
 
 
-__all__ = ["DSparkPackedCache", "DSparkPacking", "install_packed_attention", "packs"]
+__all__ = ["DSparkPackedCache", "DSparkPacking", "attention_windows", "install_packed_attention", "packs"]

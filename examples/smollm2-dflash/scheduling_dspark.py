@@ -1,15 +1,16 @@
 # Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
-"""Draft schedules: how many of a block's drafts to propose for verification, and the helpers that price rounds.
+"""Draft schedules: how many of a block's drafts each row proposes for verification, for one row or many.
 
-Remote-code file (imports only torch and transformers). A schedule decides, left to right, whether draft n of a block
-is proposed. It sees only the calibrated confidence c_n, which depends on the tokens before n, so every schedule is
-lossless (a schedule may also cut the block back after drafting it, `finish`, which only greedy decoding allows: see
-DSparkHardwareAwareSchedule). Every schedule has the same interface: `start`/`admit`/`finish` per block, and the
-observation hooks the candidate generator calls after each round (no-ops on the simple schedules).
+Remote-code file (imports only torch and transformers). The drafting loop hands a schedule, position by position,
+the rows' calibrated confidences c_{r,n}, which depend on the tokens before n only, so every schedule is lossless
+(a schedule may also cut the block back after drafting it, `finish`, which only greedy decoding allows). One
+interface serves both drivers (one row is a batch of one): `start`/`admit`/`finish` per block, `row_lengths` (how
+many of the drafted positions each row verifies), `should_skip` (the drafter rests this round) and `observe_round`
+(what the round did, learned from where the schedule learns). The simple schedules' hooks do nothing.
 
 Reading order: the interface and the fixed schedule → threshold → verify cost → the hardware-aware schedule (the
-DSpark paper's scheduler at batch 1, priced by the measured verify profile of `profiling_dspark.py`) → the drafter
-back-off → prompt-lookup drafts.
+DSpark paper's scheduler, priced by a round-cost model of `live_profiling_dspark.py`) → choosing a schedule → the
+drafter back-off → prompt-lookup drafts.
 """
 
 from __future__ import annotations
@@ -18,63 +19,70 @@ import math
 
 import torch
 
-from .live_profiling_dspark import DSparkLiveVerifyProfile, smoothed
-
 
 class DSparkDraftSchedule:
-    """Base schedule: admits every draft (fixed block length). `survival` is a_n = Π_{i≤n} c_i of the drafts seen.
+    """Fixed length: every row drafts every position of the block. `survivals[n-1]` holds a_{r,n} = Π_{i≤n} c_{r,i}
+    of each row for the positions admitted so far."""
 
-    The class attributes and hooks below are the whole interface the candidate generator uses: on this schedule and
-    the other simple ones the hooks do nothing.
-    """
-
-    prices_rounds = False  # True: rounds are priced in seconds, so prompt-lookup drafts can compete with the drafter
-    max_backoff = 0  # rounds the drafter may rest after drafting nothing (0: it always runs)
+    prices_rounds = False  # True: rounds are priced in seconds (prompt lookup competes; the learned bias is kept)
+    packed = False  # True: the round is verified packed, each row's own tokens, so a row's drafts cost that row alone
+    batch_size = 1  # rows this round, set by the driver
+    context_length = 0  # committed tokens (cache columns) before the block, set by the driver
     bias = 0.0  # online confidence logit bias, carried between generate calls when the schedule learns one
-    context_length = 0  # committed tokens before the block, set each round
 
     def start(self) -> None:
         """Called once at the start of each block."""
-        self.survival = 1.0
+        self.survivals: list[list[float]] = []
 
-    def admit(self, confidence: float) -> bool:
-        """Draft n's calibrated c_n -> True: propose draft n; False: end the block before it."""
-        self.survival *= confidence
+    def admit(self, confidences: torch.Tensor) -> bool:
+        """Position n's calibrated c_{·,n} (rows,) -> True: the rows draft position n; False: the block ends."""
+        self.survivals.append(self._next_survival(confidences.double().tolist()))
         return True
 
+    def _next_survival(self, confidences: list[float]) -> list[float]:
+        if not self.survivals:
+            return confidences
+        return [a * c for a, c in zip(self.survivals[-1], confidences)]
+
     def finish(self, num_drafted: int) -> int:
-        """After the block: how many of its drafts to propose (all of them; a lookahead schedule may cut back)."""
+        """After the block: how many of its positions to propose (all; a lookahead schedule may cut back)."""
         return num_drafted
 
-    def observe_draft_time(self, seconds: float) -> None:
-        """The drafter's own time in a round."""
+    def row_lengths(self, width: int, num_rows: int) -> torch.LongTensor:
+        """How many of the round's `width` drafts each row verifies (num_rows,): here every one."""
+        return torch.full((num_rows,), width, dtype=torch.long)
 
-    def observe_verify_time(self, num_drafts: int, context_length: int, seconds: float) -> None:
-        """A live verify round of `num_drafts` drafts at this context length."""
+    def should_skip(self) -> bool:
+        """True: the drafter rests this round (a plain step)."""
+        return False
 
-    def observe_outcome(self, num_drafted: int, num_accepted: int) -> tuple[float, int, int] | None:
-        """After verification: (Σ predicted c_n, accepted, reached) when the schedule learns from it, else None."""
+    def observe_round(self, counts: torch.Tensor, accepted: torch.Tensor, drafter_ran: bool, draft_s: float | None,
+                      verify_s: float, recalibrate: bool = True) -> tuple[float, int, int] | None:
+        """After verification: the drafts each row verified and accepted (rows,), whether the drafter ran, its time
+        (None: no measure of a round) and the verify time. Returns (Σ predicted c, accepted, reached) over the drafts
+        verification reached where the schedule learns from them (not from drafts it did not choose: `recalibrate`)."""
         return None
 
 
 class DSparkThresholdSchedule(DSparkDraftSchedule):
-    """Admit draft n while its survival a_n stays at or above `threshold` (None: no threshold)."""
+    """Draft position n while some row's survival a_{r,n} stays at or above `threshold` (None: no threshold)."""
 
     def __init__(self, threshold: float | None):
-        self.threshold = threshold
+        self.threshold = -math.inf if threshold is None else threshold
 
-    def admit(self, confidence: float) -> bool:
-        super().admit(confidence)
-        return self.threshold is None or self.survival >= self.threshold
+    def admit(self, confidences: torch.Tensor) -> bool:
+        survival = self._next_survival(confidences.double().tolist())
+        if max(survival) < self.threshold:
+            return False
+        self.survivals.append(survival)
+        return True
 
 
 class DSparkVerifyCostSchedule(DSparkThresholdSchedule):
-    """Admit draft n only while it raises the expected committed tokens per unit of verify cost.
-
-    With E = 1 + Σ a_i over the admitted drafts (the bonus token counts) and C = 1 + verify_cost · (drafts admitted),
-    draft n is admitted when (E + a_n) / (C + verify_cost) > E / C. `verify_cost` is the cost of one more verified
-    token relative to a whole verify pass; an optional survival `threshold` is applied first.
-    """
+    """Draft position n only while it raises the expected committed tokens per unit of verify cost: with E = Σ_rows
+    (1 + Σ a_{r,i}) over the admitted positions and C = 1 + verify_cost · (positions admitted), admit n when
+    (E + Σ_r a_{r,n}) / (C + verify_cost) > E / C. `verify_cost` is one more verified token per row relative to a
+    whole verify pass; an optional survival `threshold` is applied first."""
 
     def __init__(self, verify_cost: float, threshold: float | None = None):
         super().__init__(threshold)
@@ -82,14 +90,16 @@ class DSparkVerifyCostSchedule(DSparkThresholdSchedule):
 
     def start(self) -> None:
         super().start()
-        self.expected, self.cost = 1.0, 1.0
+        self.expected, self.cost = float(self.batch_size), 1.0
 
-    def admit(self, confidence: float) -> bool:
-        if not super().admit(confidence):
+    def admit(self, confidences: torch.Tensor) -> bool:
+        if not super().admit(confidences):
             return False
-        if (self.expected + self.survival) / (self.cost + self.verify_cost) <= self.expected / self.cost:
+        gained = sum(self.survivals[-1])
+        if (self.expected + gained) / (self.cost + self.verify_cost) <= self.expected / self.cost:
+            self.survivals.pop()
             return False
-        self.expected, self.cost = self.expected + self.survival, self.cost + self.verify_cost
+        self.expected, self.cost = self.expected + gained, self.cost + self.verify_cost
         return True
 
 
@@ -103,150 +113,179 @@ def draft_schedule(confidence_threshold: float | None = None, verify_cost: float
 
 
 class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
-    """Drafts the k maximising expected committed tokens per second, (1 + Σ_{n≤k} a_n) / (t(k) + draft time).
+    """The DSpark paper's scheduler (docs/drafting.md): the w maximising expected committed tokens per second,
+    E_w / cost(w), E_w = Σ_rows (1 + Σ_{n≤w} a_{r,n}), cost(w) a round-cost model's price of w drafts per row (the
+    drafter's time included, × `min_gain`; cost(0) is a plain step, after which the drafter rests: back-off).
 
-    Lossless by construction: draft n is admitted from c_1..c_n alone. At draft n the later survivals are projected
-    geometrically from the newest conditional confidence, â_m = a_n · c_n^(m-n) (the drafter's confidences are
-    strongly correlated along a block, so the last one is the best guess for the next), and draft n is admitted iff
-    the best ratio over every k ≥ n beats stopping at n-1. Stopping at 0 is a plain target step, costed t(0) without
-    the draft time (the back-off then skips the drafter), so drafting must beat plain decoding, and by `min_gain`: a
-    drafted round's cost counts `min_gain` times over, so it must promise that multiple of a plain step's rate (its
-    outcome is a gamble on a few probabilities, and a short generation never earns a lost round back; among drafted
-    lengths the comparison is unchanged). t(k) comes from the live profile at the current context length: the measured
-    shape (or a prior one) times what verify passes of each k really cost here, learned from every round (a shared
-    machine drifts, and a CPU prices short rounds unlike its profile); the draft time is a running mean of the
-    drafter's own time per round. Until there is anything to rank k by (`profile.noisy`), the schedule falls back to
-    the calibrated threshold rule (admit while a_n ≥ `fallback_threshold`).
-
-    Greedy decoding (`lookahead`) lifts the left-to-right restriction: greedy verification commits the target's own
-    argmax whatever is proposed, so any k is lossless, and the schedule drafts on while even certain later drafts
-    (c = 1) could beat the best stop so far, then proposes the k with the best expected rate given every c_n it saw
-    (`finish`). The geometric projection errs both ways (the conditionals usually fall along a block, and a dip is
-    often followed by confident drafts); when sampling, choosing k from later drafts would bias which drafts get
-    verified, so it stays left to right.
-
-    The confidences were calibrated offline on greedy drafts of the training domains; sampling (a draft survives
-    with probability Σ min(p, q), not 1[argmax match]) and unseen domains shift them. So each confidence gets a logit
-    bias learned online (Platt scaling by SGD; the candidate generator carries it from one generate call to the next
-    of the same decoding settings): every draft that verification reached (all before it accepted) is one Bernoulli
-    outcome of its c_n. The bias only uses finished rounds, so it stays lossless.
+    Lossless: position n is admitted from c_{·,1..n} alone, iff the best rate over every w ≥ n, later survivals
+    projected geometrically from c_n, beats stopping at n-1. Greedy decoding (`lookahead`) may look at the whole block
+    and propose the best w after it (`finish`): verification commits the target's argmax whatever is proposed.
+    Verified packed, each row gets its own length (`row_lengths`). Until the costs can rank w (`costs.noisy`), the
+    threshold rule (a_n ≥ `fallback_threshold`). The confidences get a logit bias learned online from finished rounds
+    (every draft verification reached is one Bernoulli outcome of its recalibrated c).
     """
 
     prices_rounds = True
     max_backoff = 16
     fallback_threshold = 0.5
-    smoothing = 0.2  # weight of the newest observation in the running draft time and verify-speed scale
     recalibration_rate = 0.1  # SGD step of the online logit bias per verified draft
     max_bias = 4.0  # |bias| bound: a run of misses can lower confidences, never pin them at 0 or 1
 
-    def __init__(
-        self,
-        profile: DSparkLiveVerifyProfile,
-        max_drafts: int | None = None,
-        draft_time_s: float | None = None,
-        min_gain: float = 1.0,
-        lookahead: bool = False,
-    ):
-        self.profile = profile
-        self.min_gain = min_gain
-        self.lookahead = lookahead
-        self.max_drafts = profile.max_drafts if max_drafts is None else min(max_drafts, profile.max_drafts)
-        self.draft_time_s = draft_time_s
-        self.context_length = profile.context_lengths[0]
-        self.bias = 0.0
+    def __init__(self, costs, max_drafts: int | None = None, min_gain: float = 1.0, lookahead: bool = False):
+        self.costs, self.min_gain, self.lookahead = costs, min_gain, lookahead
+        self.max_drafts = costs.max_drafts if max_drafts is None else min(max_drafts, costs.max_drafts)
+        self.backoff, self._backoff_rows = DSparkDrafterBackoff(self.max_backoff), None
         self.start()
 
-    def observe_draft_time(self, seconds: float):
-        self.draft_time_s = smoothed(self.draft_time_s, seconds, self.smoothing)
+    def priced(self, width: float, with_drafter: bool = True) -> float:
+        """Seconds a round of `width` drafts per row is charged: a round with drafts, or with the drafter's time,
+        counts `min_gain` times over."""
+        seconds = self.costs.round_cost(width, self.batch_size, self.context_length, with_drafter)
+        return self.min_gain * seconds if width or with_drafter else seconds
 
-    def observe_verify_time(self, num_drafts: int, context_length: int, seconds: float):
-        """A live verify round of k drafts: the live profile learns what rounds of k really cost here."""
-        self.profile.observe(num_drafts, context_length, seconds)
-
-    def observe_outcome(self, num_drafted: int, num_accepted: int) -> tuple[float, int, int]:
-        """After verification of this round's `num_drafted` drafts: nudge the bias toward the outcomes of the drafts
-        verification reached. Returns (Σ predicted c_n, accepted, reached) over them, for live calibration stats."""
-        reached = self._admitted[: min(num_drafted, num_accepted + 1)]
-        for n, predicted in enumerate(reached, start=1):
-            self.bias += self.recalibration_rate * (float(n <= num_accepted) - predicted)
-        self.bias = min(max(self.bias, -self.max_bias), self.max_bias)
-        return sum(reached), min(num_accepted, len(reached)), len(reached)
+    def start(self) -> None:
+        super().start()
+        self._costs = [self.priced(0, False)] + [self.priced(w) for w in range(1, self.max_drafts + 1)]
+        self._expected = [float(self.batch_size)]  # E_w for w = 0, 1, ...
+        self._admitted: list[list[float]] = []  # recalibrated c_{·,n} of the admitted positions
+        if self.packed:  # a drafted round verifying B, B + 1, ... packed tokens, priced per token
+            rows = self.batch_size
+            self._token_costs = [self.priced(t / rows - 1) for t in range(rows, rows * (self.max_drafts + 1) + 1)]
 
     def _recalibrated(self, confidence: float) -> float:
         confidence = min(max(confidence, 1e-6), 1 - 1e-6)
         return 1.0 / (1.0 + math.exp(-(math.log(confidence / (1 - confidence)) + self.bias)))
 
-    def round_cost(self, num_drafts: int, draft_s: float) -> float:
-        """Seconds a round verifying `num_drafts` drafts is charged: its verify pass plus `draft_s`, times `min_gain`.
-        k = 0 is a plain step: with the back-off the drafter then stops running too."""
-        verify = self.profile.verify_time(num_drafts, self.context_length)
-        return verify if num_drafts == 0 else self.min_gain * (verify + draft_s)
-
-    def start(self):
-        self._costs = [self.round_cost(k, self.draft_time_s or 0.0) for k in range(self.max_drafts + 1)]
-        self._drafted, self.survival, self._expected = 0, 1.0, 1.0
-        self._admitted: list[float] = []  # recalibrated c_n of the drafts admitted this round
-        self._ratios = [1.0 / self._costs[0]]  # expected tokens per second of stopping after k = 0, 1, ... drafts
-
-    def admit(self, confidence: float) -> bool:
-        n = self._drafted + 1
+    def admit(self, confidences: torch.Tensor) -> bool:
+        n = len(self.survivals) + 1
         if n > self.max_drafts:
             return False
-        confidence = self._recalibrated(confidence)
-        survival = self.survival * confidence
-        if self.profile.noisy:
-            admitted = survival >= self.fallback_threshold
-        elif self.lookahead:  # draft on while even certain later drafts (c = 1) could beat the best stop so far
-            admitted = self._best_ratio_from(n, survival, 1.0) > max(self._ratios)
+        confidences = [self._recalibrated(c) for c in confidences.double().tolist()]
+        survival = self._next_survival(confidences)
+        if self.costs.noisy:
+            admitted = max(survival) >= self.fallback_threshold
+        elif self.lookahead:  # draft on while even certain later drafts could beat the best stop so far
+            best = max(e / c for e, c in zip(self._expected, self._costs))
+            admitted = self._best_from(n, survival, [1.0] * len(survival)) > best
         else:
-            admitted = self._best_ratio_from(n, survival, confidence) > self._expected / self._costs[n - 1]
+            admitted = self._best_from(n, survival, confidences) > self._expected[-1] / self._costs[n - 1]
         if admitted:
-            self._drafted, self.survival, self._expected = n, survival, self._expected + survival
-            self._admitted.append(confidence)
-            self._ratios.append(self._expected / self._costs[n])
+            self.survivals.append(survival)
+            self._admitted.append(confidences)
+            self._expected.append(self._expected[-1] + sum(survival))
         return admitted
 
-    def admitted_survivals(self) -> list[float]:
-        """a_1..a_k of the drafts this round proposes (recalibrated)."""
-        survivals, survival = [], 1.0
-        for confidence in self._admitted:
-            survival *= confidence
-            survivals.append(survival)
-        return survivals
+    def _best_from(self, n: int, survival: list[float], ratios: list[float]) -> float:
+        best, expected, projected = 0.0, self._expected[-1], survival
+        for w in range(n, self.max_drafts + 1):
+            expected += sum(projected)
+            best = max(best, expected / self._costs[w])
+            projected = [a * r for a, r in zip(projected, ratios)]
+        return best
+
+    def finish(self, num_drafted: int) -> int:
+        width = num_drafted
+        if self.lookahead and not self.costs.noisy:
+            width = max(range(num_drafted + 1), key=lambda w: self._expected[w] / self._costs[w])
+        self.survivals, self._admitted = self.survivals[:width], self._admitted[:width]
+        self.backoff.record(width)
+        return width
 
     def best_plan(self, survivals: list[float], drafter_ran: bool) -> tuple[int, float]:
-        """(k, expected tokens per second) of the best stop for drafts with these survivals a_1, a_2, ...: the
-        rate of a plain step for k = 0; the drafter's time counts when it ran this round, whoever drafted."""
-        draft = (self.draft_time_s or 0.0) if drafter_ran else 0.0
-        best, expected = (0, 1.0 / self.round_cost(0, draft)), 1.0
+        """(k, expected tokens per second) of the best stop for one row's drafts with survivals a_1, a_2, ... (prompt
+        lookup's or the drafter's): k = 0 is a plain step; the drafter's time counts when it ran, whoever drafted."""
+        best, expected = (0, 1.0 / self.priced(0, False)), 1.0
         for k, survival in enumerate(survivals[: self.max_drafts], start=1):
             expected += survival
-            rate = expected / self.round_cost(k, draft)
+            rate = expected / self.priced(k, drafter_ran)
             if rate > best[1]:
                 best = (k, rate)
         return best
 
-    def finish(self, num_drafted: int) -> int:
-        """With lookahead, propose the k ≤ `num_drafted` whose expected rate is best, knowing every c_n drafted."""
-        if not self.lookahead or self.profile.noisy:
-            return num_drafted
-        best = max(range(num_drafted + 1), key=lambda k: self._ratios[k])
-        self._drafted, self._admitted = best, self._admitted[:best]
-        return best
+    def row_lengths(self, width: int, num_rows: int) -> torch.LongTensor:
+        """Packed rounds: each row's own length. Greedy decoding takes the best prefix of all (row, position)
+        candidates ranked together (verification is exact for any proposal); sampling decides position by position,
+        each row's draft n from the rows' survivals up to n only."""
+        if not self.packed or width == 0:
+            return super().row_lengths(width, num_rows)
+        survivals = torch.tensor(self.survivals[:width], dtype=torch.float64).T  # (rows, w) a_{r,n}
+        costs = self._token_costs[: num_rows * width + 1]
+        if self.lookahead:
+            return self._best_candidates(survivals, costs)
+        return self._candidates_in_order(survivals, costs)
 
-    def _best_ratio_from(self, n: int, survival: float, confidence: float) -> float:
-        best, expected, projected = 0.0, self._expected, survival
-        for k in range(n, self.max_drafts + 1):
-            expected += projected
-            best = max(best, expected / self._costs[k])
-            projected *= confidence
-        return best
+    def _best_candidates(self, survivals: torch.Tensor, costs: list[float]) -> torch.LongTensor:
+        rows, width = survivals.shape
+        order = torch.argsort(-survivals.flatten(), stable=True)  # ties: a row's earlier position first (a prefix)
+        expected = rows + survivals.flatten()[order].cumsum(0)  # E after the top K = 1, 2, ... candidates
+        rates = expected / torch.tensor(costs[1:], dtype=expected.dtype)
+        best = int(rates.argmax())
+        if float(rates[best]) <= rows / self._costs[0]:  # no drafts at all pay: a plain step
+            return torch.zeros(rows, dtype=torch.long)
+        return torch.bincount(order[: best + 1] // width, minlength=rows)
+
+    def _candidates_in_order(self, survivals: torch.Tensor, costs: list[float]) -> torch.LongTensor:
+        rows, width = survivals.shape
+        lengths, alive, expected, admitted = [0] * rows, [True] * rows, float(rows), 0
+        for n in range(width):
+            column = survivals[:, n].tolist()
+            for row in sorted(range(rows), key=lambda r: -column[r]):
+                if alive[row] and (expected + column[row]) * costs[admitted] > expected * costs[admitted + 1]:
+                    lengths[row] += 1
+                    expected += column[row]
+                    admitted += 1
+                else:
+                    alive[row] = False
+        return torch.tensor(lengths, dtype=torch.long)
+
+    def should_skip(self) -> bool:
+        if self.costs.needs_plain_step(self.batch_size):  # time this batch size's plain step first
+            return True
+        if self.batch_size != self._backoff_rows:  # a row left: what pays has changed, so probe again
+            self.backoff, self._backoff_rows = DSparkDrafterBackoff(self.max_backoff), self.batch_size
+        return self.backoff.should_skip()
+
+    def observe_round(self, counts, accepted, drafter_ran, draft_s, verify_s, recalibrate=True):
+        counts, accepted = counts.tolist(), accepted.tolist()
+        self.costs.observe(self._round_width(counts), self.batch_size, self.context_length, drafter_ran, draft_s,
+                           verify_s)
+        return self._recalibrate(counts, accepted) if recalibrate and drafter_ran else None
+
+    def _round_width(self, counts: list[int]) -> float:
+        """The width a round is priced at: its widest row's drafts, or, packed, its tokens per row less the anchor."""
+        if not counts:
+            return 0
+        return sum(c + 1 for c in counts) / len(counts) - 1 if self.packed else max(counts)
+
+    def _recalibrate(self, counts: list[int], accepted: list[int]) -> tuple[float, int, int] | None:
+        """Every draft verification reached is one outcome of its recalibrated c: one SGD step each on the shared
+        logit bias (a batch of B rows learns as B rounds of one row would)."""
+        if not self._admitted:
+            return None
+        error = predicted = 0.0
+        observed = verified = 0
+        for row, (count, taken) in enumerate(zip(counts, accepted)):
+            for n in range(1, min(count, taken + 1, len(self._admitted)) + 1):
+                c = self._admitted[n - 1][row]
+                error += float(n <= taken) - c
+                predicted, observed, verified = predicted + c, observed + (n <= taken), verified + 1
+        self.bias = min(max(self.bias + self.recalibration_rate * error, -self.max_bias), self.max_bias)
+        return predicted, observed, verified
+
+
+def make_schedule(settings, do_sample: bool, costs) -> DSparkDraftSchedule:
+    """The schedule the drafting settings ask for: threshold / verify cost when set; else the hardware-aware schedule,
+    priced by `costs()` (a round-cost model, built only here); else fixed length."""
+    if not settings.hardware:
+        return draft_schedule(settings.confidence_threshold, settings.verify_cost)
+    # greedy verification is exact for any proposal, so the schedule may choose the length after seeing the block
+    return DSparkHardwareAwareSchedule(costs(), settings.num_drafts, settings.min_gain, settings.lookahead and not do_sample)
 
 
 class DSparkDrafterBackoff:
     """Skips the drafter after rounds that drafted nothing, for 1, 2, 4, ... up to `max_skip` rounds, each skip
     followed by one probe round; a probe that drafts resets it. When drafting does not pay, the drafter's own cost
-    then vanishes too (a k = 0 round with a drafter pass costs more than a plain step)."""
+    then vanishes too (a round with a drafter pass and no drafts costs more than a plain step)."""
 
     def __init__(self, max_skip: int = 16):
         self.max_skip = max_skip
@@ -311,4 +350,5 @@ __all__ = [
     "DSparkThresholdSchedule",
     "DSparkVerifyCostSchedule",
     "draft_schedule",
+    "make_schedule",
 ]

@@ -14,13 +14,18 @@ import math
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.utils import logging
 
-from .live_profiling_dspark import DSparkLiveVerifyProfile, live_verify_profile
+from .live_profiling_dspark import (
+    DSparkBatchCosts,
+    DSparkBatchRoundCosts,
+    DSparkLiveVerifyProfile,
+    DSparkRowCosts,
+    live_verify_profile,
+)
 from .profiling_dspark import (
     DSparkBatchVerifyProfile,
     DSparkVerifyProfile,
@@ -34,8 +39,6 @@ logger = logging.get_logger(__name__)
 
 # ------------------------------------------------------------------------------------------------------------------
 # Drafting settings and the state kept between generate calls
-
-SCHEDULE_MODES = (None, "fixed", "hardware")
 
 # What every drafter drafts with unless its generation_config says otherwise (a new drafter, one trained or converted
 # here, a checkpoint saved without these keys): the schedule that drafts only what pays on this machine, with prompt
@@ -74,27 +77,23 @@ class DSparkDraftingSettings:
     def from_drafter(cls, drafter) -> "DSparkDraftingSettings":
         """The one place the knobs are read; each bad value is one clear error naming the knob and the fix."""
         drafting, has_confidence = drafter.generation_config, drafter.confidence_head is not None
-        knob = functools.partial(getattr, drafting)
-        threshold = _checked_threshold(knob("dspark_confidence_threshold", None))
-        verify_cost = _checked_verify_cost(knob("dspark_verify_cost", None))
-        mode = knob("dspark_schedule", None)
-        if mode not in SCHEDULE_MODES:
-            raise ValueError(f"dspark_schedule={mode!r} is not a DSpark schedule; use \"hardware\" or \"fixed\".")
+        knob = functools.partial(_checked_knob, drafting)
+        threshold, verify_cost, mode = knob("dspark_confidence_threshold"), knob("dspark_verify_cost"), knob("dspark_schedule")
         if (threshold is not None or verify_cost is not None) and not has_confidence:
             raise ValueError(
                 "confidence-scheduled drafting needs a confidence head; set enable_confidence_head or unset "
                 "dspark_confidence_threshold / dspark_verify_cost on the drafter's generation_config."
             )
         return cls(
-            num_drafts=_checked_num_drafts(knob("num_assistant_tokens", None), drafter.num_draft_tokens),
-            confidence_threshold=threshold,
-            verify_cost=verify_cost,
+            num_drafts=_checked_num_drafts(getattr(drafting, "num_assistant_tokens", None), drafter.num_draft_tokens),
+            confidence_threshold=None if threshold is None else float(threshold),
+            verify_cost=None if verify_cost is None else float(verify_cost),
             hardware=mode == "hardware" and threshold is None and verify_cost is None and has_confidence,
-            lookahead=knob("dspark_lookahead", True) is not False,
-            lookup_ngram_size=_checked_lookup_size(knob("dspark_lookup_ngram_size", None)),
-            min_gain=_checked_min_gain(knob("dspark_min_gain", None)),
-            drafter_dtype=_checked_drafter_dtype(knob("dspark_drafter_dtype", None)),
-            packed_verification=_checked_switch("dspark_packed_verification", knob("dspark_packed_verification", None)),
+            lookahead=getattr(drafting, "dspark_lookahead", True) is not False,
+            lookup_ngram_size=knob("dspark_lookup_ngram_size") or 0,
+            min_gain=float(knob("dspark_min_gain") or 1.0),
+            drafter_dtype=knob("dspark_drafter_dtype") or "auto",
+            packed_verification=bool(knob("dspark_packed_verification")),
         )
 
 
@@ -102,10 +101,32 @@ def _is_number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _checked_switch(name: str, value, default: bool = False) -> bool:
-    if value not in (None, True, False):
-        raise ValueError(f"{name}={value!r} is not a switch; use True or False, or unset it ({default}).")
-    return default if value is None else value
+DRAFTER_DTYPES = ("auto", "as-loaded", "float32", "bfloat16", "float16")
+
+# knob -> (whether a value set is good, what a bad one is not, the fix)
+KNOB_RULES = {
+    "dspark_confidence_threshold": (lambda v: _is_number(v) and 0 <= v <= 1, "a probability", "use a number in [0, 1] "
+                                    "(e.g. 0.3: verify drafts while their predicted survival stays above it) or unset it"),
+    "dspark_verify_cost": (lambda v: _is_number(v) and v >= 0, "a cost", "use a number >= 0 (one more verified token "
+                           "as a share of a whole verify pass, e.g. 0.05) or unset it"),
+    "dspark_schedule": (lambda v: v in ("hardware", "fixed"), "a DSpark schedule", 'use "hardware" or "fixed"'),
+    "dspark_lookup_ngram_size": (lambda v: _is_number(v) and isinstance(v, int) and v >= 0, "an n-gram size",
+                                 "use e.g. 3, or 0 to turn prompt lookup off"),
+    "dspark_min_gain": (lambda v: _is_number(v) and v > 0, "a positive number", "use e.g. 1.1 (draft only when a "
+                        "round promises 10% more than a plain step) or unset it"),
+    "dspark_drafter_dtype": (lambda v: v in DRAFTER_DTYPES, "a choice", 'use "auto" (the dtype `dspark-hf profile '
+                             '--drafter` measured fastest here, else as loaded), "as-loaded" or a dtype name'),
+    "dspark_packed_verification": (lambda v: v in (True, False), "a switch", "use True or False, or unset it (False)"),
+}
+
+
+def _checked_knob(drafting: GenerationConfig, name: str):
+    """The knob's value (None: unset), or one line naming it and the fix."""
+    value = getattr(drafting, name, None)
+    good, kind, fix = KNOB_RULES[name]
+    if value is not None and not good(value):
+        raise ValueError(f"{name}={value!r} is not {kind}; {fix}.")
+    return value
 
 
 def _checked_num_drafts(value, block_drafts: int) -> int:
@@ -117,30 +138,6 @@ def _checked_num_drafts(value, block_drafts: int) -> int:
         raise ValueError(f"num_assistant_tokens={value!r} is not a number of drafts; use 1 to {block_drafts} (this "
                          "drafter's block), or unset it for the whole block.")
     return min(value, block_drafts)
-
-
-def _checked_threshold(value) -> float | None:
-    if value is not None and not (_is_number(value) and 0 <= value <= 1):
-        raise ValueError(f"dspark_confidence_threshold={value!r} is not a probability; use a number in [0, 1] (e.g. "
-                         "0.3: verify drafts while their predicted survival stays above it) or unset it.")
-    return None if value is None else float(value)
-
-
-def _checked_verify_cost(value) -> float | None:
-    if value is not None and not (_is_number(value) and value >= 0):
-        raise ValueError(f"dspark_verify_cost={value!r} is not a cost; use a number >= 0 (one more verified token as a "
-                         "share of a whole verify pass, e.g. 0.05) or unset it.")
-    return None if value is None else float(value)
-
-
-DRAFTER_DTYPES = ("auto", "as-loaded", "float32", "bfloat16", "float16")
-
-
-def _checked_drafter_dtype(value) -> str:
-    if value not in (None, *DRAFTER_DTYPES):
-        raise ValueError(f"dspark_drafter_dtype={value!r} is not a choice; use \"auto\" (the dtype `dspark-hf profile "
-                         "--drafter` measured fastest here, else as loaded), \"as-loaded\" or a dtype name.")
-    return value or "auto"
 
 
 _PREPARING = threading.Lock()
@@ -159,21 +156,6 @@ def prepare_drafter(drafter, target: PreTrainedModel, settings: "DSparkDraftingS
     logger.warning_once(f"DSpark runs the drafter in {wanted} on this machine (dspark_drafter_dtype={settings.drafter_dtype}).")
 
 
-def _checked_lookup_size(size) -> int:
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
-        raise ValueError(f"dspark_lookup_ngram_size={size!r} is not an n-gram size; use e.g. 3, or 0 to turn prompt lookup off.")
-    return size or 0
-
-
-def _checked_min_gain(value) -> float:
-    if value is None:
-        return 1.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"dspark_min_gain={value!r} is not a positive number; use e.g. 1.1 (draft only when a round "
-                         "promises 10% more than a plain step) or unset it.")
-    return float(value)
-
-
 @dataclass
 class DSparkDraftingState:
     """Everything a drafter keeps from one generate call to the next: `drafter.drafting_state`.
@@ -188,7 +170,7 @@ class DSparkDraftingState:
     verify_profile: DSparkVerifyProfile | None = None
     live_verify_profile: DSparkLiveVerifyProfile | None = None  # t(k) as this process's rounds priced it
     batch_verify_profile: DSparkBatchVerifyProfile | None = None  # t(B, w), the same for batched generation
-    batch_round_costs: dict[tuple, Any] = field(default_factory=dict)  # live cost of batch rounds per setting
+    batch_round_costs: dict[tuple, DSparkBatchRoundCosts] = field(default_factory=dict)  # live batch costs per setting
     bound_target: str | None = None  # the target whose embeddings `bind_target` copied
     # `last_stats` of each thread that generated, and of the newest call in any thread (see `last_stats`)
     _stats_by_thread: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
@@ -220,6 +202,16 @@ class DSparkDraftingState:
         if self.batch_verify_profile is not None and self.batch_verify_profile.key == batch_profile_key(target):
             return self.batch_verify_profile
         return batch_verify_profile(target, max_drafts)
+
+    def row_costs_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkRowCosts:
+        """What one row's rounds cost: the live verify profile kept from call to call, and this call's drafter time."""
+        return DSparkRowCosts(self.verify_profile_for(target, max_drafts))
+
+    def batch_costs_for(self, target: PreTrainedModel, max_drafts: int, key: tuple) -> DSparkBatchCosts:
+        """What batched rounds cost: the batch profile's shape, at the level earlier calls of the same decoding setting
+        (`key`) measured live."""
+        live = self.batch_round_costs.setdefault(key, DSparkBatchRoundCosts())
+        return DSparkBatchCosts(self.batch_verify_profile_for(target, max_drafts), live)
 
 
 __all__ = [

@@ -6,11 +6,10 @@ and commits tokens; this file supplies the candidates. Reading order: generation
 (one verify round at a time: extend the drafter's context, draft a block, let the schedule and the stops decide how
 much of it to propose, learn from the outcome). `routing_dspark.py` hands it to generate().
 
-Imports run one way: `modeling_dspark` → `routing_dspark`, `batching_dspark` → this file → `settings_dspark`,
-`batch_widths_dspark` → `scheduling_dspark` → `profiling_dspark` → `configuration_dspark` (the model needs its
-generator and its batch loop, the loop its widths, both the drafting settings, the generator and the widths their
-schedules, the hardware schedules their profiles, and everything the config). The generator reaches the model only
-through the drafter it is handed.
+Imports run one way: `modeling_dspark` → `routing_dspark`, `batching_dspark` → this file → `scheduling_dspark`,
+`settings_dspark` → `live_profiling_dspark` → `profiling_dspark` → `configuration_dspark` (the model needs its two
+drivers, both drivers the schedules and the drafting settings, the settings the round costs, the costs their profiles,
+and everything the config). The drivers reach the model's drafting loop only through the drafter they are handed.
 """
 
 from __future__ import annotations
@@ -27,13 +26,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
-from .scheduling_dspark import (
-    DSparkDraftSchedule,
-    DSparkDrafterBackoff,
-    DSparkHardwareAwareSchedule,
-    DSparkPromptLookup,
-    draft_schedule,
-)
+from .scheduling_dspark import DSparkPromptLookup, make_schedule
 from .settings_dspark import DSparkDraftingSettings, prepare_drafter
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -164,17 +157,6 @@ def decoding_key(target: PreTrainedModel, generation_config: GenerationConfig) -
     return (str(target.dtype), "sample", generation_config.temperature, generation_config.top_k, generation_config.top_p)
 
 
-def make_schedule(drafter, target: PreTrainedModel, settings: DSparkDraftingSettings, do_sample: bool) -> DSparkDraftSchedule:
-    """The schedule the settings ask for: threshold / verify cost when set; else the hardware-aware schedule, priced
-    by the target's live verify profile (learned from the rounds themselves); else fixed length."""
-    if not settings.hardware:
-        return draft_schedule(settings.confidence_threshold, settings.verify_cost)
-    profile = drafter.drafting_state.verify_profile_for(target, settings.num_drafts)
-    # greedy verification is exact for any proposal, so the schedule may choose k after seeing the block
-    lookahead = settings.lookahead and not do_sample
-    return DSparkHardwareAwareSchedule(profile, settings.num_drafts, min_gain=settings.min_gain, lookahead=lookahead)
-
-
 class DSparkCandidateGenerator(CandidateGenerator):
     """Feeds the drafter the aux hidden states of committed positions from each verify pass and drafts one block.
 
@@ -205,12 +187,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.model_kwargs_overrides = {"output_hidden_states": True if wants_all else self.aux_layer_ids}
         self.do_sample = bool(generation_config.do_sample)
         self.num_drafts = self.settings.num_drafts
-        self.schedule = make_schedule(drafter, target, self.settings, self.do_sample)
+        self.schedule = make_schedule(self.settings, self.do_sample,
+                                      lambda: self.state.row_costs_for(target, self.settings.num_drafts))
         self.bias_key = decoding_key(target, generation_config)
         self.schedule.bias = self.state.confidence_bias.get(self.bias_key, 0.0)  # learned by earlier calls
-        # After rounds that draft nothing the drafter itself may rest (back-off); the aux rows of the rounds it
-        # skipped wait in `_pending_aux` until it runs again.
-        self.backoff = DSparkDrafterBackoff(max_skip=self.schedule.max_backoff)
+        # After rounds that draft nothing the drafter itself may rest (the schedule's back-off); the aux rows of the
+        # rounds it skipped wait in `_pending_aux` until it runs again.
         self._pending_aux: list[torch.Tensor] = []
         self.lookup = self._make_lookup()
         self._lookup_ngram = 0  # n-gram size matched when this round's drafts came from prompt lookup, else 0
@@ -221,6 +203,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.cache = drafter.new_context_cache()
         self.stats = self.state.last_stats = DSparkGenerationStats(num_draft_tokens=drafter.num_draft_tokens)
         self._last_drafted = 0
+        self._drafter_ran, self._draft_s = False, None  # this round: whether the drafter ran, its time (None: no measure)
         self._verify_started = None
         self._prefilled = False
 
@@ -247,7 +230,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         waiting = sum(rows.shape[1] for rows in self._pending_aux)
         num_new = input_ids.shape[1] - 1 - self.cache.get_seq_length() - waiting
         aux = torch.cat([model_outputs.hidden_states[i][:, :num_new] for i in self.aux_layer_ids], dim=-1)
-        if self.backoff.should_skip():
+        if self.schedule.should_skip():
             self._pending_aux.append(aux)
             return False
         if self._pending_aux:  # extend lazily, in one call, with the rounds the drafter skipped
@@ -270,7 +253,6 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def _draft(self, input_ids: torch.LongTensor, budget: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Candidates (the sequence plus up to `budget` drafts) and, when sampling, the q they were drawn from."""
         device = self.drafter.fc.weight.device
-        self.schedule.context_length = input_ids.shape[1]
         draft = self.drafter.draft_block(
             self.cache,
             input_ids[0, -1].to(device),
@@ -285,15 +267,6 @@ class DSparkCandidateGenerator(CandidateGenerator):
         candidates = torch.cat([input_ids, tokens], dim=-1)
         return candidates, draft.target_logits[:, : tokens.shape[1]] if self.do_sample and self._last_drafted else None
 
-    def _observe_round(self, drafter_ran: bool, first_round: bool, seconds: float):
-        """Feed the back-off and the schedule's running draft time (the first round's prompt-sized context extension
-        is no measure of a round)."""
-        if not drafter_ran:
-            return
-        self.backoff.record(self._last_drafted)
-        if not first_round:
-            self.schedule.observe_draft_time(seconds)
-
     def _prefer_lookup(self, input_ids, budget: int, drafter_ran: bool, candidates, candidate_logits):
         """Prompt-lookup drafts instead of the drafter's when they promise more tokens per second (both priced by the
         schedule; the drafter's time this round is spent either way). When sampling their q is one-hot, so
@@ -301,9 +274,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         tokens, ngram = self.lookup.propose(input_ids, budget)
         if not ngram:
             return candidates, candidate_logits
-        self.schedule.context_length = input_ids.shape[1]
         k, rate = self.schedule.best_plan(self.lookup.survivals(ngram, tokens.shape[0]), drafter_ran)
-        own = self.schedule.best_plan(self.schedule.admitted_survivals()[: self._last_drafted] if drafter_ran else [], drafter_ran)
+        own = [row[0] for row in self.schedule.survivals[: self._last_drafted]] if drafter_ran else []
+        own = self.schedule.best_plan(own, drafter_ran)
         if k == 0 or rate <= own[1]:
             return candidates, candidate_logits
         self._end_round_at(self.max_length)  # undo a stop cut of the drafter's block
@@ -331,11 +304,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
         first_round = self.cache.get_seq_length() == 0
         candidates, candidate_logits = input_ids, None
         self._lookup_ngram = 0
+        self.schedule.context_length = input_ids.shape[1]
         drafter_runs = self._commit_context(input_ids, model_outputs)
         budget = min(self.num_drafts, self.max_length - input_ids.shape[1] - 1)
-        if drafter_runs and budget > 0:
+        self._drafter_ran = drafter_runs and budget > 0
+        if self._drafter_ran:
             candidates, candidate_logits = self._draft(input_ids, budget)
-        self._observe_round(drafter_runs and budget > 0, first_round, time.perf_counter() - start)
+        # the first round's prompt-sized context extension is no measure of a round's drafting time
+        self._draft_s = None if first_round else time.perf_counter() - start
         if self.lookup is not None and budget > 0:
             candidates, candidate_logits = self._prefer_lookup(input_ids, budget, drafter_runs, candidates, candidate_logits)
         self.stats.draft_time_s += time.perf_counter() - start
@@ -344,18 +320,18 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         self._end_round_at(self.max_length)  # undo a stop's round cut (see `_cut_at_stop`)
-        if self._verify_started is not None:
-            elapsed = time.perf_counter() - self._verify_started
-            self.stats.verify_time_s += elapsed
-            if self._prefilled:
-                self.schedule.observe_verify_time(self._last_drafted, input_ids.shape[1], elapsed)
+        elapsed = time.perf_counter() - self._verify_started if self._verify_started is not None else 0.0
+        self.stats.verify_time_s += elapsed
         if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
             self.stats.drafted.append(self._last_drafted)
             self.stats.accepted.append(int(num_matches))
+            outcome = self.schedule.observe_round(torch.tensor([self._last_drafted]), torch.tensor([int(num_matches)]),
+                                                  self._drafter_ran, self._draft_s, elapsed,
+                                                  recalibrate=not self._lookup_ngram)
             if self._lookup_ngram:
                 self._learn_lookup(int(num_matches))
-            elif self._last_drafted:
-                self._learn_confidence_bias(int(num_matches))
+            elif outcome is not None:
+                self._count_calibration(outcome)
         self._prefilled = True
 
     def _learn_lookup(self, num_accepted: int):
@@ -364,12 +340,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats.lookup_drafted += self._last_drafted
         self.stats.lookup_accepted += min(num_accepted, self._last_drafted)
 
-    def _learn_confidence_bias(self, num_accepted: int):
-        """Feed this round's verified drafts to a schedule that learns from them, count them in the stats, and keep
-        its bias on the drafter for the next call."""
-        outcome = self.schedule.observe_outcome(self._last_drafted, num_accepted)
-        if outcome is None:
-            return
+    def _count_calibration(self, outcome: tuple[float, int, int]):
+        """Count this round's verified drafts in the stats, and keep the schedule's bias on the drafter for the next
+        call."""
         predicted, observed, verified = outcome
         self.stats.confidence_predicted += predicted
         self.stats.confidence_observed += observed
@@ -382,5 +355,4 @@ __all__ = [
     "DSparkGenerationStats",
     "check_generation_limits",
     "decoding_key",
-    "make_schedule",
 ]

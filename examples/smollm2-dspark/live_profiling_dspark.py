@@ -1,17 +1,21 @@
 # Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
-"""t(k) learned live: the verify cost priced from the verify passes generation runs anyway, so no call waits for a
-measurement.
+"""What rounds cost, learned live from the verify passes generation runs anyway, so no call waits for a measurement.
 
 Remote-code file (imports only torch and transformers). The hardware-aware schedule (`scheduling_dspark.py`) prices
-rounds by `DSparkLiveVerifyProfile`: a shape (the measured profile of `profiling_dspark.py` where `dspark-hf profile`
-stored one, else a prior) times what passes of each k really cost here, stored every few passes under the Hugging
-Face cache home so the next process goes on from it. Reading order: the live profile → loading it.
+rounds by a round-cost model, one interface (`max_drafts`, `noisy`, `needs_plain_step`, `round_cost`, `observe`) with
+a model per driver: `DSparkRowCosts` for one row, whose t(k) is `DSparkLiveVerifyProfile` (a shape from the measured
+profile of `profiling_dspark.py` where `dspark-hf profile` stored one, else the prior, times what passes of each k
+really cost here, stored every few passes under the Hugging Face cache home so the next process goes on from it), and
+`DSparkBatchCosts` for a batch, whose t(B, w) is the batch profile scaled and corrected by whole rounds
+(`DSparkBatchRoundCosts`). Both priors are one: a pass costs a fixed part plus `prior_token_slope` per token.
+Reading order: the live profile → loading it → the row costs → the batch costs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +25,11 @@ from transformers.utils import logging
 
 from .profiling_dspark import (
     PROFILE_CONTEXT_LENGTHS,
+    DSparkBatchVerifyProfile,
     DSparkVerifyProfile,
     _interpolate,
     _read_stored_profile,
+    prior_token_slope,
     store_verify_profile,
     verify_profile_key,
     verify_profile_path,
@@ -32,7 +38,6 @@ from .profiling_dspark import (
 logger = logging.get_logger(__name__)
 
 LIVE_PROFILE_FORMAT = "dspark-live-verify-profile/1"
-PRIOR_SLOPE = 0.15  # t(k)/t(0) = 1 + PRIOR_SLOPE·k where no measured profile gives the shape (CPU bf16: 0.05-0.4)
 LIVE_WEIGHT = 0.2  # weight of the newest pass once a k has been seen 1/LIVE_WEIGHT times (a running mean before)
 STORE_EVERY = 32  # passes between writes of what was learned
 
@@ -42,16 +47,18 @@ def smoothed(old: float | None, new: float, weight: float) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
-def _signature(profile: DSparkVerifyProfile | None) -> str:
+def _signature(profile: DSparkVerifyProfile | None, key: dict[str, str]) -> str:
+    """What the learned ratios are relative to: the measured profile, or the prior's slope (ratios learned against
+    another shape start over)."""
     if profile is None:
-        return "none"
+        return f"prior slope {prior_token_slope(key)}"
     return hashlib.sha256(json.dumps(profile.verify_time_s).encode()).hexdigest()[:16]
 
 
 @dataclass
 class DSparkLiveVerifyProfile:
     """t(k) = shape(k, context) × r(k): the shape from a measured profile when one is stored (`dspark-hf profile`),
-    else 1 + PRIOR_SLOPE·k; r(k) the running ratio of live verify passes of k drafts to that shape, interpolated
+    else the prior 1 + slope·k (`prior_token_slope`); r(k) the running ratio of live verify passes of k drafts to that shape, interpolated
     between the k seen so far (a k never seen takes its nearest neighbours' ratio). Every pass refines it (a noisy
     machine only averages longer), so a first call prices rounds after its first verify pass, and what it learned is
     stored for the next process. Until the first pass, without a clean measured shape (`noisy`), the schedule admits
@@ -83,7 +90,7 @@ class DSparkLiveVerifyProfile:
     def shape(self, num_drafts: int, context_length: int) -> float:
         if self.prior is not None:
             return self.prior.verify_time(min(num_drafts, self.prior.max_drafts), context_length)
-        return 1.0 + PRIOR_SLOPE * num_drafts
+        return 1.0 + prior_token_slope(self.key) * num_drafts
 
     def ratio(self, num_drafts: int) -> float:
         seen = [k for k, count in enumerate(self.counts) if count]
@@ -109,13 +116,13 @@ class DSparkLiveVerifyProfile:
             self.unsaved = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": LIVE_PROFILE_FORMAT, "key": self.key, "prior": _signature(self.prior),
+        return {"format": LIVE_PROFILE_FORMAT, "key": self.key, "prior": _signature(self.prior, self.key),
                 "ratios": self.ratios, "counts": self.counts}
 
     def learned_from(self, data: dict[str, Any]) -> None:
         """Take over what an earlier process learned on the same key and prior (a mismatch starts over)."""
         if (data.get("format") != LIVE_PROFILE_FORMAT or data.get("key") != self.key
-                or data.get("prior") != _signature(self.prior)):
+                or data.get("prior") != _signature(self.prior, self.key)):
             return
         ratios, counts = list(data.get("ratios", [])), list(data.get("counts", []))
         usable = min(len(ratios), len(counts), self.max_drafts + 1)
@@ -145,4 +152,98 @@ def live_verify_profile(target: PreTrainedModel, max_drafts: int,
     return live
 
 
-__all__ = ["DSparkLiveVerifyProfile", "live_verify_profile", "smoothed"]
+SMOOTHING = 0.2  # weight of the newest observation in the drafter's running time and the batch costs
+
+
+class DSparkRowCosts:
+    """One row's rounds: t(k) of the live verify profile at this context length, plus the drafter's running time."""
+
+    def __init__(self, profile: DSparkLiveVerifyProfile, draft_time_s: float | None = None):
+        self.profile, self.draft_time_s = profile, draft_time_s
+        self.max_drafts = profile.max_drafts
+
+    @property
+    def noisy(self) -> bool:
+        return self.profile.noisy
+
+    def needs_plain_step(self, batch_size: int) -> bool:
+        return False
+
+    def round_cost(self, width: float, batch_size: int, context_length: int, with_drafter: bool) -> float:
+        verify = self.profile.verify_time(int(width), context_length)
+        return verify + (self.draft_time_s or 0.0) if with_drafter and width else verify
+
+    def observe(self, width: float, batch_size: int, context_length: int, drafter_ran: bool, draft_s: float | None,
+                verify_s: float) -> None:
+        if drafter_ran and draft_s is not None:
+            self.draft_time_s = smoothed(self.draft_time_s, draft_s, SMOOTHING)
+        self.profile.observe(int(width), context_length, verify_s)
+
+
+class DSparkBatchRoundCosts:
+    """What batched rounds really cost, learned live and shared by the calls of one decoding setting.
+
+    `scale`: seconds per unit of the profile's t(B, w) (a prior profile is unitless), set by the first verify pass
+    and then followed (contexts grow, machines drift). `factors[(B, drafted)]`: by how much whole rounds of batch
+    size B, plain or drafted, exceed that model (the drafter's time and the loop included). A drafted round of a
+    batch size that has only stepped plainly is priced with the drafted / plain ratio of the nearest batch size that
+    has done both, so one expensive guess never keeps a batch size from ever drafting."""
+
+    def __init__(self):
+        self.scale: float | None = None
+        self.factors: dict[tuple[int, bool], float] = {}
+
+    def observe_verify(self, seconds: float, profiled: float) -> None:
+        if profiled > 0:
+            self.scale = smoothed(self.scale, seconds / profiled, SMOOTHING)
+
+    def observe_round(self, batch_size: int, drafted: bool, seconds: float, modelled: float) -> None:
+        key = (batch_size, drafted)
+        self.factors[key] = smoothed(self.factors.get(key), seconds / modelled, SMOOTHING)
+
+    def factor(self, batch_size: int, drafted: bool) -> float:
+        if (batch_size, drafted) in self.factors:
+            return self.factors[batch_size, drafted]
+        plain = self.factors.get((batch_size, False), 1.0)
+        both = [b for b, d in self.factors if d and (b, False) in self.factors]
+        if not drafted or not both:
+            return plain
+        nearest = min(both, key=lambda b: (abs(math.log(b / batch_size)), b))
+        return plain * self.factors[nearest, True] / self.factors[nearest, False]
+
+
+class DSparkBatchCosts:
+    """Batched rounds: the profile's t(B, w) keeps the shape across widths, the live scale its level in seconds, and
+    a factor per batch size and class (plain or drafted) the rest, plus the drafter's running time per batch size. A
+    batch size whose plain step was never timed takes one plain step first. `live` may be shared between calls."""
+
+    noisy = False
+
+    def __init__(self, profile: DSparkBatchVerifyProfile, live: DSparkBatchRoundCosts | None = None):
+        self.profile, self.live = profile, DSparkBatchRoundCosts() if live is None else live
+        self.max_drafts = profile.max_drafts
+        self.draft_time_s: dict[int, float] = {}  # the drafter's time per round, by batch size
+
+    def needs_plain_step(self, batch_size: int) -> bool:
+        return (batch_size, False) not in self.live.factors
+
+    def _modelled(self, width: float, batch_size: int, with_drafter: bool) -> float:
+        """A round's seconds as the profile and the drafter's running time say (before the live factor)."""
+        profiled = (self.live.scale or 1.0) * self.profile.verify_time(batch_size, width)
+        return profiled + self.draft_time_s.get(batch_size, 0.0) if with_drafter else profiled
+
+    def round_cost(self, width: float, batch_size: int, context_length: int, with_drafter: bool) -> float:
+        return self.live.factor(batch_size, with_drafter) * self._modelled(width, batch_size, with_drafter)
+
+    def observe(self, width: float, batch_size: int, context_length: int, drafter_ran: bool, draft_s: float | None,
+                verify_s: float) -> None:
+        if drafter_ran and draft_s is not None:
+            self.draft_time_s[batch_size] = smoothed(self.draft_time_s.get(batch_size), draft_s, SMOOTHING)
+        self.live.observe_verify(verify_s, self.profile.verify_time(batch_size, width))
+        if width > 0 or not drafter_ran:  # a drafted round, or a plain step (not a round whose drafts were refused)
+            seconds = (draft_s or 0.0) + verify_s
+            self.live.observe_round(batch_size, width > 0, seconds, self._modelled(width, batch_size, width > 0))
+
+
+__all__ = ["DSparkBatchCosts", "DSparkBatchRoundCosts", "DSparkLiveVerifyProfile", "DSparkRowCosts",
+           "live_verify_profile", "smoothed"]

@@ -3,13 +3,16 @@
 
 Remote-code file: copied next to every checkpoint, imports only torch and transformers (siblings as `from .x`).
 
-Reading order (as in `modeling_llama.py`): norm → rotary → MLP → attention with KV injection → draft layer → Markov
-head variants → confidence head → token choice → context cache and outputs → checkpoint checks → PreTrainedModel →
-DSparkForDrafting (training forward, `draft_block`, and the factory that plugs the drafter into
-`target.generate(assistant_model=drafter)`). The rest lives beside this file, one concern each: `configuration_dspark`
-(config, presets, target check), `settings_dspark` (drafting settings and the state kept between calls),
-`generation_dspark` (stats, candidate generator), `routing_dspark` (the generate() hooks), `batching_dspark` and `batch_widths_dspark` (batched generation), `scheduling_dspark` (draft
-schedules, back-off, prompt lookup), `profiling_dspark` (verify cost).
+Reading order (as in `modeling_llama.py`): norm → rotary → MLP → attention with KV injection → draft layer →
+model outputs → checkpoint checks → PreTrainedModel → DSparkForDrafting (training forward; the drafting
+primitives, one loop for one row or many: `block_rows`, `draft`, `draft_block`; and the methods that plug the drafter
+into `target.generate(assistant_model=drafter)`). The rest lives beside this file, one concern each:
+`configuration_dspark` (config, presets, target check), `heads_dspark` (Markov and confidence heads), `context_cache_dspark` (the committed context's K/V),
+`token_choice_dspark` (how a draft is chosen), `scheduling_dspark` (one family of draft schedules, back-off, prompt
+lookup), `live_profiling_dspark` and `profiling_dspark` (what rounds cost), `settings_dspark` (drafting settings and
+the state kept between calls), and the two drivers over the one drafting loop: `generation_dspark` (one row, inside
+transformers' assisted loop; `routing_dspark` hands it to generate()) and `batching_dspark` (a batch, with
+`batch_rows_dspark` and `packing_dspark`).
 
 Notation: d hidden size, m aux layers, B block size, N drafts per block (B-1, or B with `sample_from_anchor`),
 V_t target vocab, V_d draft vocab, r Markov rank. Draft n (1..N) always predicts the token at position p+n, where
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import glob
 import os
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,23 +33,24 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation.logits_process import LogitsProcessorList
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
 
 from .configuration_dspark import DSparkConfig, adopt_special_tokens, check_target_compatibility
-from .batching_dspark import VOCAB_AGNOSTIC_WARPERS, DSparkBatchGeneration, check_batch_limits
+from .context_cache_dspark import DSparkContextCache
+from .batching_dspark import DSparkBatchGeneration, check_batch_limits
 from .generation_dspark import DSparkCandidateGenerator, DSparkGenerationStats
+from .heads_dspark import MARKOV_HEAD_CLASSES, DSparkConfidenceHead, DSparkVanillaMarkovHead
 from .routing_dspark import DSPARK_STOPPING_ATTRIBUTE, install_dspark_routing
 from .scheduling_dspark import DSparkDraftSchedule, draft_schedule
 from .settings_dspark import DSparkDraftingState, default_drafting_config, with_default_drafting
+from .token_choice_dspark import DSparkTokenChooser, sampling_warpers
+
+# A block of at most this many (row, position) pairs runs the LM head over every position at once (see `_base_logits`).
+LM_HEAD_AT_ONCE = 8
 
 
 class DSparkRMSNorm(nn.Module):
@@ -247,265 +250,7 @@ class DSparkDecoderLayer(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Markov head: the sequential stage. logits_n = U_n + bias_n, where bias_n depends on the previous token only (and,
-# for gated/rnn, on the draft's own hidden row and a recurrent state), never on the token being drafted.
-
-
-class DSparkVanillaMarkovHead(nn.Module):
-    """bias = W2 · W1[prev]: a function of the previous token alone, so inference reuses the rows of recent tokens."""
-
-    bias_depends_on_token_only = True
-    bias_cache_bytes = 32 * 2**20  # each row costs a read of all of W2 (V_d·r) to compute, and V_d values to keep
-
-    def __init__(self, config: DSparkConfig):
-        super().__init__()
-        self.markov_rank = config.markov_rank
-        self.markov_w1 = nn.Embedding(config.vocab_size, config.markov_rank)  # indexed by target ids
-        self.markov_w2 = nn.Linear(config.markov_rank, config.draft_vocab_size, bias=False)
-        self._bias_rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # previous token id -> bias (1, V_d), LRU
-        self._bias_rows_stamp: tuple | None = None
-
-    def embed_previous(self, prev_ids: torch.LongTensor) -> torch.Tensor:
-        return self.markov_w1(prev_ids)  # (..., r)
-
-    def anchor_state(self, anchor_hidden: torch.Tensor, anchor_embeds: torch.Tensor) -> torch.Tensor | None:
-        """State before draft 1 under the DFlash slot convention (slot 0 = the anchor's row); stateless heads: None."""
-        return None
-
-    def step(
-        self, hidden_states: torch.Tensor, prev_embeds: torch.Tensor, state: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(bias (..., V_d), next state) for one draft; vectorizes over any leading shape when stateless."""
-        return self.markov_w2(prev_embeds), state
-
-    def block_bias(
-        self, hidden_states: torch.Tensor, prev_embeds: torch.Tensor, state: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Teacher-forced bias for all drafts at once: hidden (..., N, d), prev_embeds (..., N, r) -> (..., N, V_d)."""
-        return self.step(hidden_states, prev_embeds, state)[0]
-
-    def token_step(
-        self, hidden_states: torch.Tensor, prev_id: int, prev_embeds: torch.Tensor, state: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`step` for one draft at inference. When the bias depends on the previous token alone, a token seen recently
-        gets the very row computed then (bit-identical); the rows are dropped whenever W1 or W2 change."""
-        stamp = self._weights_stamp() if self.bias_depends_on_token_only else None
-        if stamp is None:
-            return self.step(hidden_states, prev_embeds, state)
-        if stamp != self._bias_rows_stamp:
-            self._bias_rows.clear()
-            self._bias_rows_stamp = stamp
-        row = self._bias_rows.get(prev_id)
-        if row is None:
-            row = self.step(hidden_states, prev_embeds, state)[0]
-            self._bias_rows[prev_id] = row
-            if len(self._bias_rows) * row.numel() * row.element_size() > self.bias_cache_bytes:
-                self._bias_rows.popitem(last=False)
-        else:
-            self._bias_rows.move_to_end(prev_id)
-        return row, state
-
-    def _weights_stamp(self) -> tuple | None:
-        """Identity and in-place version of W1 and W2 (an optimizer step or a load bumps it); None where not tracked:
-        inference-mode weights, or W1/W2 wrapped by an adapter (PEFT) whose own weights can change or switch."""
-        if type(self.markov_w1) is not nn.Embedding or type(self.markov_w2) is not nn.Linear:
-            return None
-        try:
-            return tuple((id(w), w.data_ptr(), w._version, w.dtype) for w in (self.markov_w1.weight, self.markov_w2.weight))
-        except RuntimeError:  # inference-mode tensors keep no version counter: compute every row
-            return None
-
-
-class DSparkGatedMarkovHead(DSparkVanillaMarkovHead):
-    """bias = W2 (σ(gate_proj([ĥ; W1[prev]])) ⊙ W1[prev])."""
-
-    bias_depends_on_token_only = False
-
-    def __init__(self, config: DSparkConfig):
-        super().__init__(config)
-        self.gate_proj = nn.Linear(config.hidden_size + config.markov_rank, config.markov_rank, bias=True)
-
-    def step(self, hidden_states, prev_embeds, state):
-        gate = torch.sigmoid(self.gate_proj(torch.cat([hidden_states, prev_embeds], dim=-1)))
-        return self.markov_w2(gate * prev_embeds), state
-
-
-class DSparkRNNMarkovHead(DSparkVanillaMarkovHead):
-    """GRU-like state over the block: [g, c, o] = joint_proj([s; W1[prev]; ĥ]); s' = σ(g)s + (1-σ(g))tanh(c); bias = W2 tanh(o).
-
-    The state starts at zero on slot 0 of the block: under the DFlash slot convention slot 0 (the anchor's row, which
-    drafts nothing) takes one step with W1[anchor] before draft 1, as in speculators.
-    """
-
-    bias_depends_on_token_only = False
-
-    def __init__(self, config: DSparkConfig):
-        super().__init__(config)
-        self.joint_proj = nn.Linear(2 * config.markov_rank + config.hidden_size, 3 * config.markov_rank, bias=True)
-
-    def anchor_state(self, anchor_hidden, anchor_embeds):
-        """As speculators does: slot 0 predicts nothing but steps the recurrence with its row and W1[anchor]."""
-        return self.step(anchor_hidden, anchor_embeds, None)[1]
-
-    def step(self, hidden_states, prev_embeds, state):
-        if state is None:
-            state = hidden_states.new_zeros(*hidden_states.shape[:-1], self.markov_rank)
-        gate, candidate, output = self.joint_proj(torch.cat([state, prev_embeds, hidden_states], dim=-1)).chunk(3, dim=-1)
-        gate = torch.sigmoid(gate)
-        state = gate * state + (1.0 - gate) * torch.tanh(candidate)
-        return self.markov_w2(torch.tanh(output)), state
-
-    def block_bias(self, hidden_states, prev_embeds, state=None):
-        biases = []
-        for n in range(hidden_states.shape[-2]):
-            bias, state = self.step(hidden_states[..., n, :], prev_embeds[..., n, :], state)
-            biases.append(bias)
-        return torch.stack(biases, dim=-2)
-
-
-MARKOV_HEAD_CLASSES = {
-    "vanilla": DSparkVanillaMarkovHead,
-    "gated": DSparkGatedMarkovHead,
-    "rnn": DSparkRNNMarkovHead,
-}
-
-
-class DSparkConfidenceHead(nn.Module):
-    """c_n = σ(w·[ĥ_n ; W1[prev_n]] + b): probability that draft n survives given all earlier drafts did."""
-
-    def __init__(self, config: DSparkConfig):
-        super().__init__()
-        self.with_markov = config.confidence_head_with_markov and config.markov_rank > 0
-        self.proj = nn.Linear(config.hidden_size + (config.markov_rank if self.with_markov else 0), 1, bias=True)
-
-    def forward(self, hidden_states: torch.Tensor, prev_embeds: torch.Tensor | None) -> torch.Tensor:
-        features = torch.cat([hidden_states, prev_embeds], dim=-1) if self.with_markov else hidden_states
-        return self.proj(features).squeeze(-1)  # logits (...,)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Token choice: each draft is chosen the way the target will judge it.
-
-
-def _sampling_warpers(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
-    warpers = LogitsProcessorList()
-    if temperature is not None and temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(temperature))
-    if top_k:
-        warpers.append(TopKLogitsWarper(top_k))
-    if top_p is not None and top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p))
-    return warpers
-
-
-# Warpers that read nothing but the scores' probabilities (see VOCAB_AGNOSTIC_WARPERS) can run on the draft vocabulary.
-
-
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.LongTensor:
-    """One draw from probs (1, V) by the inverse CDF in float64: one uniform number, where `torch.multinomial` draws V
-    exponentials (0.35 ms for V = 16k on one CPU core, ~10x this). Zero-probability ids are never drawn."""
-    cdf = probs.double().cumsum(dim=-1)
-    u = torch.rand((1, 1), dtype=torch.float64, device=probs.device, generator=generator) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).reshape(1)
-
-
-class DSparkTokenChooser:
-    """Chooses draft tokens from their Markov-corrected logits (1, V_d), one draft at a time.
-
-    Greedy without processors: the argmax over the draft vocabulary. Sampling with only probability warpers
-    (temperature, top-k, top-p, min-p): warped and drawn on the draft vocabulary, V_d wide rather than V_t. Any other
-    processor reads target ids and the drafts so far, so the logits are scattered to the target vocabulary (-inf
-    outside the draft vocab) and processed there. Either way the processed scores are the q that rejection sampling
-    needs; `target_scores` gives them on the target vocabulary.
-    """
-
-    def __init__(
-        self,
-        draft_to_target: torch.LongTensor,  # (V_d,) target id of each draft id
-        vocab_size: int,
-        sequence: torch.LongTensor,  # (1, t) the committed tokens the processors read
-        do_sample: bool = False,
-        logits_processor: LogitsProcessorList | None = None,
-        generator: torch.Generator | None = None,
-    ):
-        self.draft_to_target, self.vocab_size, self.sequence = draft_to_target, vocab_size, sequence
-        self.do_sample, self.logits_processor, self.generator = do_sample, logits_processor, generator
-        self.on_draft_vocab = all(isinstance(p, VOCAB_AGNOSTIC_WARPERS) for p in logits_processor or ())
-
-    def choose(self, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        """Draft logits (1, V_d) -> target id (1,) and the processed scores (1, V_d or V_t), or None if greedy."""
-        if not (self.do_sample or self.logits_processor):
-            return self.draft_to_target[logits.argmax(dim=-1)], None
-        if self.on_draft_vocab:
-            scores = self.logits_processor(self.sequence, logits) if self.logits_processor else logits
-            return self.draft_to_target[self._pick(scores)], scores
-        scores = logits.new_full((1, self.vocab_size), float("-inf"))
-        scores[:, self.draft_to_target] = logits
-        if self.logits_processor:
-            scores = self.logits_processor(self.sequence, scores)
-        token = self._pick(scores)
-        if self.logits_processor:  # processors such as repetition penalty read the drafts so far
-            self.sequence = torch.cat([self.sequence, token.reshape(1, 1)], dim=-1)
-        return token, scores
-
-    def _pick(self, scores: torch.Tensor) -> torch.LongTensor:
-        if self.do_sample:
-            return sample_from(F.softmax(scores, dim=-1), self.generator)
-        return scores.argmax(dim=-1)
-
-    def target_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """Stacked scores of `choose` (1, n, V_d or V_t) on the target vocabulary (1, n, V_t), -inf outside V_d."""
-        if not self.on_draft_vocab:
-            return scores
-        full = scores.new_full((*scores.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., self.draft_to_target] = scores
-        return full
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Context cache and model outputs
-
-
-class DSparkContextCache:
-    """Per-layer K/V of the committed context, computed once per position. The drafted block is never stored."""
-
-    def __init__(self):
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-
-    def get_seq_length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
-
-    def update(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
-        if layer_idx == len(self.keys):
-            self.keys.append(keys)
-            self.values.append(values)
-        else:
-            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], keys], dim=2)
-            self.values[layer_idx] = torch.cat([self.values[layer_idx], values], dim=2)
-
-    def crop(self, max_length: int):
-        """Keep the first `max_length` context positions (e.g. to reuse a prefix)."""
-        self.keys = [k[:, :, :max_length] for k in self.keys]
-        self.values = [v[:, :, :max_length] for v in self.values]
-
-    def select_rows(self, rows: torch.LongTensor):
-        """Keep only these batch rows (a batch whose other rows finished)."""
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-
-    def gather_columns(self, columns: torch.LongTensor):
-        """Row b keeps columns[b] (b, t') in that order: a batch's ragged context compacted."""
-        index = columns[:, None, :, None]
-        self.keys = [k.gather(2, index.expand(-1, k.shape[1], -1, k.shape[3])) for k in self.keys]
-        self.values = [v.gather(2, index.expand(-1, v.shape[1], -1, v.shape[3])) for v in self.values]
-
-    def __getitem__(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[layer_idx], self.values[layer_idx]
-
-    def __iter__(self):
-        """Per-layer (keys, values), the form the block pass reads context K/V in."""
-        return zip(self.keys, self.values)
+# Model outputs
 
 
 @dataclass
@@ -853,46 +598,64 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         return cache
 
     @torch.no_grad()
-    def block_rows(self, cache: DSparkContextCache, anchor_ids: torch.LongTensor) -> torch.Tensor:
-        """The one parallel pass: (b,) anchors at position = context length -> normalized block rows (b, B, d)."""
-        hidden = self._block_embeddings(anchor_ids)  # (b, B, d)
-        start = cache.get_seq_length()
-        positions = torch.arange(start, start + self.config.block_size, device=hidden.device).expand(hidden.shape[0], -1)
-        return self._run_block(hidden, positions, cache)
-
-    @torch.no_grad()
-    def batch_block_rows(
+    def block_rows(
         self,
         cache: DSparkContextCache,
         anchor_ids: torch.LongTensor,  # (b,) each row's anchor
-        positions: torch.LongTensor,  # (b,) each anchor's position
-        context_mask: torch.Tensor,  # (b, t) bool: the cache columns that are each row's committed context
+        positions: torch.LongTensor | None = None,  # (b,) each anchor's position; default: the cache's length
+        context_mask: torch.Tensor | None = None,  # (b, t) bool: the cache columns that are each row's context
     ) -> torch.Tensor:
-        """The parallel pass for a padded batch: row b's block sees its own context columns and its own block rows
-        -> normalized block rows (b, B, d)."""
+        """The one parallel pass: row b's block, at its anchor's position, sees its own context columns (every one
+        without a mask) and its own block rows -> normalized block rows (b, B, d)."""
         hidden = self._block_embeddings(anchor_ids)  # (b, B, d)
-        (b, t), B = context_mask.shape, self.config.block_size
+        B = self.config.block_size
+        if positions is None:
+            positions = torch.full_like(anchor_ids, cache.get_seq_length())
         block_positions = positions[:, None] + torch.arange(B, device=positions.device)  # (b, B)
-        sees = torch.cat([context_mask[:, None, None, :].expand(b, 1, B, t), context_mask.new_ones(b, 1, B, B)], dim=-1)
+        sees = None
+        if context_mask is not None:
+            b, t = context_mask.shape
+            sees = torch.cat([context_mask[:, None, None, :].expand(b, 1, B, t), context_mask.new_ones(b, 1, B, B)], -1)
         return self._run_block(hidden, block_positions, cache, sees)
 
     @torch.no_grad()
-    def draft_batch(
+    def block_hidden_states(self, cache: DSparkContextCache, anchor_ids: torch.LongTensor) -> torch.Tensor:
+        """Normalized draft rows (b, N, d) of the parallel pass."""
+        return self._draft_rows(self.block_rows(cache, anchor_ids))
+
+    def _calibrated_confidence(self, hidden: torch.Tensor, prev_embeds: torch.Tensor | None, n: int) -> torch.Tensor:
+        """c_n = σ(confidence logit / T_n) (b,), with draft n's calibrated temperature T_n."""
+        logit = self.confidence_head(hidden, prev_embeds).float()
+        return torch.sigmoid(logit / self.config.confidence_temperatures[n])
+
+    def _base_logits(self, draft_hidden: torch.Tensor, n: int, block_logits: torch.Tensor | None):
+        """U_n (b, V_d) and the block's logits where they were computed at once. A block of few rows runs the LM head
+        once over every position (reading its V_d × d weight costs more than the products); more rows run it position
+        by position, for what is drafted only."""
+        if draft_hidden.shape[0] * draft_hidden.shape[1] > LM_HEAD_AT_ONCE:
+            return self.lm_head(draft_hidden[:, n]).float(), None
+        if block_logits is None:
+            block_logits = self.lm_head(draft_hidden).float()
+        return block_logits[:, n], block_logits
+
+    @torch.no_grad()
+    def draft(
         self,
         cache: DSparkContextCache,
         anchor_ids: torch.LongTensor,  # (b,)
-        positions: torch.LongTensor,  # (b,)
-        context_mask: torch.Tensor,  # (b, t) bool
         num_drafts: int,
-        chooser,  # DSparkBatchTokenChooser: picks (b,) tokens from (b, V_d) logits
-        schedule,  # a batch width schedule: `start`, `admit(survivals (b,))`, `finish(num_drafted)`
+        chooser: DSparkTokenChooser,
+        schedule: DSparkDraftSchedule,
+        positions: torch.LongTensor | None = None,  # (b,), as for `block_rows`
+        context_mask: torch.Tensor | None = None,  # (b, t) bool, as for `block_rows`
     ) -> DSparkDraftOutput:
-        """One block per row of a padded batch, every row drafting the same number of drafts (the schedule's width):
-        tokens (b, w), the scores they were chosen from on the target vocabulary (sampling), confidences (b, w)."""
-        block_hidden = self.batch_block_rows(cache, anchor_ids, positions, context_mask)
+        """One block per row: the parallel pass, then the sequential stage, draft n = choice(U_n + bias(x_{n-1})),
+        while the schedule admits position n from the rows' c_{·,n}. c_n needs only W1[prev], so the schedule decides
+        before the V_d-wide products (LM head, Markov bias) run; a round that drafts nothing skips them."""
+        block_hidden = self.block_rows(cache, anchor_ids, positions, context_mask)
         draft_hidden = self._draft_rows(block_hidden)[:, : min(num_drafts, self.num_draft_tokens)]  # (b, n, d)
         state = self._markov_start_state(block_hidden, anchor_ids)
-        tokens, scores, confidences = [], [], []
+        tokens, draft_logits, scores, confidences, block_logits = [], [], [], [], None
         prev = anchor_ids
         schedule.start()
         for n in range(draft_hidden.shape[1]):
@@ -902,86 +665,24 @@ class DSparkForDrafting(DSparkPreTrainedModel):
                 if not schedule.admit(confidence):
                     break
                 confidences.append(confidence)
-            logits = self.lm_head(draft_hidden[:, n]).float()  # (b, V_d), only for the positions the batch drafts
+            logits, block_logits = self._base_logits(draft_hidden, n, block_logits)
             if self.markov_head is not None:
-                bias, state = self.markov_head.step(draft_hidden[:, n], prev_embeds, state)
+                bias, state = self.markov_head.token_step(draft_hidden[:, n], prev, prev_embeds, state)
                 logits = logits + bias.float()
             prev, score = chooser.choose(logits)
             tokens.append(prev)
-            scores.append(score)
-        return self._batch_draft_output(tokens, scores, confidences, schedule.finish(len(tokens)), chooser, anchor_ids)
-
-    def _batch_draft_output(self, tokens, scores, confidences, width: int, chooser, anchor_ids) -> DSparkDraftOutput:
-        """Stack the first `width` drafts of every row."""
-        tokens, scores, confidences = tokens[:width], scores[:width], confidences[:width]
-        empty = anchor_ids.new_zeros((anchor_ids.shape[0], 0))
-        return DSparkDraftOutput(
-            token_ids=torch.stack(tokens, dim=1) if tokens else empty,
-            target_logits=chooser.target_scores(torch.stack(scores, dim=1)) if tokens and scores[0] is not None else None,
-            confidences=torch.stack(confidences, dim=1) if confidences else None,
-        )
-
-    @torch.no_grad()
-    def block_hidden_states(self, cache: DSparkContextCache, anchor_ids: torch.LongTensor) -> torch.Tensor:
-        """Normalized draft rows (b, N, d) of the parallel pass."""
-        return self._draft_rows(self.block_rows(cache, anchor_ids))
-
-    def _markov_step(
-        self,
-        base_logits: torch.Tensor,
-        hidden: torch.Tensor,
-        prev: torch.LongTensor,
-        prev_embeds: torch.Tensor | None,
-        state: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft n's logits U_n + bias(prev, state) (1, V_d) from U_n (1, V_d), its row (1, d), the previous token
-        (1,) and W1[prev] (1, r); also the next Markov state."""
-        if self.markov_head is None:
-            return base_logits, state
-        bias, state = self.markov_head.token_step(hidden, int(prev), prev_embeds, state)
-        return base_logits + bias.float(), state
-
-    def _calibrated_confidence(self, hidden: torch.Tensor, prev_embeds: torch.Tensor | None, n: int) -> torch.Tensor:
-        """c_n = σ(confidence logit / T_n) (1,), with draft n's calibrated temperature T_n."""
-        logit = self.confidence_head(hidden, prev_embeds).float()
-        return torch.sigmoid(logit / self.config.confidence_temperatures[n])
-
-    def _draft_tokens(
-        self,
-        draft_hidden: torch.Tensor,  # (1, n, d) the drafts' rows
-        anchor: torch.LongTensor,  # (1,)
-        state: torch.Tensor | None,  # Markov state before draft 1
-        schedule: DSparkDraftSchedule,
-        chooser: DSparkTokenChooser,
-    ) -> DSparkDraftOutput:
-        """The sequential stage: draft n = choice(U_n + bias(x_{n-1})), while the schedule admits its c_n."""
-        base_logits = None  # U (1, n, V_d), computed once draft 1 is admitted: a round that drafts nothing skips it
-        tokens, draft_logits, target_logits, confidences = [], [], [], []
-        prev = anchor
-        schedule.start()
-        for n in range(draft_hidden.shape[1]):
-            # c_n needs only W1[prev]: the schedule decides before the V_d-wide products (LM head, Markov bias) run
-            prev_embeds = self.markov_head.embed_previous(prev) if self.markov_head is not None else None
-            if self.confidence_head is not None:
-                confidence = self._calibrated_confidence(draft_hidden[:, n], prev_embeds, n)
-                if not schedule.admit(float(confidence)):
-                    break
-                confidences.append(confidence)
-            if base_logits is None:
-                base_logits = self.lm_head(draft_hidden).float()
-            logits, state = self._markov_step(base_logits[:, n], draft_hidden[:, n], prev, prev_embeds, state)
-            prev, scores = chooser.choose(logits)
-            tokens.append(prev)
             draft_logits.append(logits)
-            if scores is not None:
-                target_logits.append(scores)
-        keep = len(tokens) if chooser.do_sample else schedule.finish(len(tokens))  # cutting back is for greedy only
-        tokens, draft_logits, target_logits, confidences = tokens[:keep], draft_logits[:keep], target_logits[:keep], confidences[:keep]
-        confidences = torch.cat(confidences)[None] if confidences else None  # (1, n)
+            scores.append(score)
+        return self._draft_output(tokens, draft_logits, scores, confidences, schedule.finish(len(tokens)), chooser, anchor_ids)
+
+    def _draft_output(self, tokens, draft_logits, scores, confidences, keep: int, chooser, anchor_ids) -> DSparkDraftOutput:
+        """The first `keep` drafts of every row, stacked."""
+        tokens, draft_logits, scores, confidences = tokens[:keep], draft_logits[:keep], scores[:keep], confidences[:keep]
+        confidences = torch.stack(confidences, dim=1) if confidences else None  # (b, n)
         return DSparkDraftOutput(
-            token_ids=torch.stack(tokens, dim=1) if tokens else anchor.new_zeros((1, 0)),
+            token_ids=torch.stack(tokens, dim=1) if tokens else anchor_ids.new_zeros((anchor_ids.shape[0], 0)),
             draft_logits=torch.stack(draft_logits, dim=1) if draft_logits else None,
-            target_logits=chooser.target_scores(torch.stack(target_logits, dim=1)) if target_logits else None,
+            target_logits=chooser.target_scores(torch.stack(scores, dim=1)) if scores and scores[0] is not None else None,
             confidences=confidences,
             survival=torch.cumprod(confidences.double(), dim=-1).to(confidences.dtype) if confidences is not None else None,
         )
@@ -1003,23 +704,21 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         generator: torch.Generator | None = None,
         schedule: DSparkDraftSchedule | None = None,
     ) -> DSparkDraftOutput:
-        """Draft one block after the cached context: one parallel pass, then the Markov head left to right.
+        """Draft one block for one row after the cached context (`draft` for a batch of one).
 
         Sampling draws each x_n from q_n = softmax(processed(U_n + bias(prev))), scattered to the target vocab; the
         processed target-vocab logits are returned so rejection sampling uses exactly that q. A `schedule` may end
         the block early from the calibrated confidences; `confidence_threshold` / `verify_cost` build the threshold
         and verify-cost schedules (see `draft_schedule`).
         """
-        num_drafts = self.num_draft_tokens if num_drafts is None else min(num_drafts, self.num_draft_tokens)
         anchor = torch.as_tensor(anchor_id, device=self.fc.weight.device).reshape(1)
-        block_hidden = self.block_rows(cache, anchor)  # (1, B, d)
         if logits_processor is None and do_sample:
-            logits_processor = _sampling_warpers(temperature, top_k, top_p)
+            logits_processor = sampling_warpers(temperature, top_k, top_p)
         sequence = input_ids if input_ids is not None else anchor.reshape(1, 1)
-        chooser = DSparkTokenChooser(self.draft_to_target_ids, self.config.vocab_size, sequence, do_sample, logits_processor, generator)
+        chooser = DSparkTokenChooser(self.draft_to_target_ids, self.config.vocab_size, do_sample, logits_processor,
+                                     sequence, generator)
         schedule = schedule if schedule is not None else draft_schedule(confidence_threshold, verify_cost)
-        state = self._markov_start_state(block_hidden, anchor)
-        return self._draft_tokens(self._draft_rows(block_hidden)[:, :num_drafts], anchor, state, schedule, chooser)
+        return self.draft(cache, anchor, self.num_draft_tokens if num_drafts is None else num_drafts, chooser, schedule)
 
     # --------------------------------------------------------------------------------------------------------------
     # transformers integration: the routing hooks (`routing_dspark.py`) call this, bound to the drafter, to serve
@@ -1086,9 +785,7 @@ __all__ = [
     "DSparkDraftOutput",
     "DSparkForDrafting",
     "DSparkPreTrainedModel",
-    "DSparkTokenChooser",
     "DSparkTrainingOutput",
     "check_checkpoint_shapes",
     "expected_tensor_shapes",
-    "sample_from",
 ]
