@@ -162,6 +162,9 @@ class DSparkBatchGeneration:
         accepted, bonus = self._accept(batch, drafts, counts, logits)
         self._keep_scores(batch.rows, logits, raw, accepted)
         verified_s = time.perf_counter() - started - drafted_s
+        price = self.schedule.price_of(counts, self.drafter_ran)
+        if price is not None:
+            self.stats.round_prices.append((bool(counts.any()), price, drafted_s + verified_s))
         outcome = self.schedule.observe_round(counts, accepted, self.drafter_ran, drafted_s, verified_s)
         self._record(counts, accepted, drafted_s, verified_s, outcome)
         self._advance(batch, drafts.token_ids, counts, accepted, bonus, outputs)

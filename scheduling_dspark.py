@@ -56,6 +56,11 @@ class DSparkDraftSchedule:
         """True: the drafter rests this round (a plain step)."""
         return False
 
+    def price_of(self, counts: torch.Tensor, drafter_ran: bool) -> float | None:
+        """The seconds a round that verified `counts` drafts per row costs as the schedule prices it (before
+        `observe_round` learns from it), or None for a schedule that prices nothing."""
+        return None
+
     def observe_round(self, counts: torch.Tensor, accepted: torch.Tensor, drafter_ran: bool, draft_s: float | None,
                       verify_s: float, recalibrate: bool = True) -> tuple[float, int, int] | None:
         """After verification: the drafts each row verified and accepted (rows,), whether the drafter ran, its time
@@ -244,6 +249,14 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         if self.batch_size != self._backoff_rows:  # a row left: what pays has changed, so probe again
             self.backoff, self._backoff_rows = DSparkDrafterBackoff(self.max_backoff), self.batch_size
         return self.backoff.should_skip()
+
+    def price_of(self, counts, drafter_ran):
+        """A drafted round or a plain step (not a round whose drafts were all refused, which the schedule never
+        chooses to run)."""
+        width = self._round_width(counts.tolist())
+        if drafter_ran and not width:
+            return None
+        return self.costs.round_cost(width, self.batch_size, self.context_length, drafter_ran)
 
     def observe_round(self, counts, accepted, drafter_ran, draft_s, verify_s, recalibrate=True):
         counts, accepted = counts.tolist(), accepted.tolist()

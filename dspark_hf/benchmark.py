@@ -278,7 +278,7 @@ def format_report(report: dict[str, Any]) -> str:
                 # the schedule's (recalibrated) confidence against the survival verification then observed
                 live = (f"{r['live_confidence_mean']:.2f}/{r['live_acceptance_rate']:.2f}"
                         if "live_confidence_mean" in r else "-")
-                widths = batch_round_summary(r)
+                widths = batch_round_summary(r) + price_summary(r)
                 lines.append(f"{m:<14}{r['tokens_per_s']:>8.1f}{r.get('speedup_vs_plain', float('nan')):>9.2f}"
                              f"{r.get('decode_speedup_vs_plain', float('nan')):>10.2f}{tau:>8}{drafts:>10}{same:>10}{live:>15}"
                              f"{widths}")
@@ -303,6 +303,14 @@ def batch_round_summary(row: dict[str, Any]) -> str:
         text += (f", verified {row['verified_tokens']} of {row['padded_tokens']} padded tokens "
                  f"({'packed' if row['packed'] else 'padded'})")
     return text
+
+
+def price_summary(row: dict[str, Any]) -> str:
+    """The hardware schedule's price of its rounds against what they took (medians of priced / measured seconds, for
+    plain steps and drafted rounds): a price that follows noise drafts where it does not pay."""
+    parts = [f"{name} {row[f'{name}_price_ratio']:.2f} ({row[f'{name}_rounds_priced']})"
+             for name in ("plain", "drafted") if f"{name}_price_ratio" in row]
+    return f"   priced/took: {', '.join(parts)}" if parts else ""
 
 
 def summary_table(report: dict[str, Any], method: str = "dspark") -> list[str]:

@@ -297,6 +297,29 @@ def scheduled_drafter(target, profile_times, confident: bool = True, **overrides
     return drafter
 
 
+def test_every_priced_round_is_reported_with_what_it_took(monkeypatch):
+    """One row and a batch: each plain step and drafted round carries the seconds the schedule priced it at before it
+    ran (the frozen profile's t(k) plus the drafter's time) beside the seconds it took; rounds whose drafts were all
+    refused are not priced (the schedule never chooses them). `eval`/`bench` report the medians of priced / took."""
+    from dspark_hf.evaluation import live_acceptance
+
+    monkeypatch.setattr(DSparkRowCosts, "observe", lambda self, *args: setattr(self, "draft_time_s", 0.25))
+    target = make_tiny_target("llama")
+    drafter = scheduled_drafter(target, [1.0 + 0.05 * k for k in range(6)])
+    greedy(target, PROMPTS[0], max_new_tokens=16, eos_token_id=None, assistant_model=drafter)
+    stats = drafter.last_generation_stats
+    drafted = [(k, price) for (d, price, took), k in zip(stats.round_prices, stats.drafted) if d]
+    assert drafted and all(price == pytest.approx(1.0 + 0.05 * k + 0.25) for k, price in drafted[1:])
+    assert all(took > 0 for _, _, took in stats.round_prices)
+    live = live_acceptance(stats)
+    assert live["drafted_rounds_priced"] == len(drafted) and live["drafted_price_ratio"] > 0
+    batch = {"input_ids": torch.tensor([[0, 1, 17, 42], [1, 5, 5, 5]]), "attention_mask": torch.tensor([[0, 1, 1, 1], [1] * 4])}
+    target.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None, assistant_model=drafter)
+    stats = drafter.last_generation_stats
+    assert {d for d, _, _ in stats.round_prices} == {False, True}  # the first plain step is timed, then rounds draft
+    assert len(stats.round_prices) <= len(stats.widths)
+
+
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("slope", [0.0, 1.5])
 def test_greedy_with_hardware_schedule_is_token_identical(architecture, slope):

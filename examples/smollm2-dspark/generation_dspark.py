@@ -47,6 +47,8 @@ class DSparkGenerationStats:
     widths: list[int] = field(default_factory=list)  # batched generation: the widest row's drafts in each batch round
     round_rows: list[int] = field(default_factory=list)  # batched: the rows each batch round verified
     verified_tokens: list[int] = field(default_factory=list)  # batched: tokens through the target's layers per round
+    # hardware schedule: per round (drafted, seconds the schedule priced it at, seconds it took), priced before it ran
+    round_prices: list[tuple[bool, float, float]] = field(default_factory=list)
     packed: bool | None = None  # batched: whether rounds were verified packed (each row's own tokens) or padded
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -104,6 +106,7 @@ class DSparkGenerationStats:
             "accepted_histogram": self.accepted_histogram(),
             "widths": list(self.widths),
             "verified_tokens": list(self.verified_tokens),
+            "round_prices": list(self.round_prices),
             "padded_tokens": self.padded_tokens(),
             "packed": self.packed,
             **{name: getattr(self, name) for name in SUMMED_STATS},
@@ -119,6 +122,7 @@ class DSparkGenerationStats:
             merged.widths += list(stats.widths)
             merged.round_rows += list(stats.round_rows)
             merged.verified_tokens += list(stats.verified_tokens)
+            merged.round_prices += list(stats.round_prices)
             merged.packed = stats.packed if merged.packed is None else merged.packed
             for name in SUMMED_STATS:
                 setattr(merged, name, getattr(merged, name) + getattr(stats, name))
@@ -325,8 +329,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
             self.stats.drafted.append(self._last_drafted)
             self.stats.accepted.append(int(num_matches))
-            outcome = self.schedule.observe_round(torch.tensor([self._last_drafted]), torch.tensor([int(num_matches)]),
-                                                  self._drafter_ran, self._draft_s, elapsed,
+            counts, accepted = torch.tensor([self._last_drafted]), torch.tensor([int(num_matches)])
+            price = self.schedule.price_of(counts, self._drafter_ran)
+            if price is not None:
+                self.stats.round_prices.append((self._last_drafted > 0, price, (self._draft_s or 0.0) + elapsed))
+            outcome = self.schedule.observe_round(counts, accepted, self._drafter_ran, self._draft_s, elapsed,
                                                   recalibrate=not self._lookup_ngram)
             if self._lookup_ngram:
                 self._learn_lookup(int(num_matches))

@@ -757,10 +757,11 @@ class DSparkForDrafting(DSparkPreTrainedModel):
     def attach_to(self, target: PreTrainedModel):
         """Check that this drafter fits the target, copy the target's embeddings where the checkpoint omits them, and
         its special token ids where an older checkpoint has none (`pipeline` compares them)."""
-        check_target_compatibility(self.config, target)
-        adopt_special_tokens(self.config, target)
         if self.config.bind_target_embeddings and self.drafting_state.bound_target != target.config.name_or_path:
-            self.bind_target(target)
+            self.bind_target(target)  # checks the target first
+        else:
+            check_target_compatibility(self.config, target)
+        adopt_special_tokens(self.config, target)
 
     def new_context_cache(self) -> DSparkContextCache:
         """An empty context cache for one generation (the candidate generator's)."""
