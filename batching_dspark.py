@@ -4,13 +4,14 @@
 Remote-code file (imports only torch and transformers). transformers' assisted loop serves one row; for a batch the
 routing hook (`routing_dspark.py`) calls this loop instead. Every round the drafter drafts a block for every active
 row in one pass (the same drafting loop, token chooser and schedule as one row), the schedule picks how many drafts
-each row verifies (`scheduling_dspark.py`, priced by the batch round costs), and the target verifies all rows in one forward: packed over each row's own anchor and drafts (`packing_dspark.py`), or padded
-to the widest row where packing cannot serve the target. Rows accept different numbers of drafts, so the caches
-become ragged: a rejected draft's column stays in the target's cache but is masked out of attention from then on (a
-mask with holes), each row's position ids count only its valid columns, columns no row needs are cropped, and the
-caches are compacted when holes pile up (`batch_rows_dspark.py` keeps that layout, the rows' ids and their scores).
-A finished row leaves the batch. Each row therefore sees exactly its own tokens, as in plain batched `generate`:
-greedy rows are the target's own argmax, sampled rows pass speculative sampling row by row.
+each row verifies (`scheduling_dspark.py`, priced by the batch round costs), and the target verifies all rows in one
+forward: packed over each row's own anchor and drafts (`packing_dspark.py`), or padded to the widest row where
+packing cannot serve the target. Rows accept different numbers of drafts, so the caches become ragged: a rejected
+draft's column stays in the target's cache but is masked out of attention from then on (a mask with holes), each
+row's position ids count only its valid columns, columns no row needs are cropped, and the caches are compacted when
+holes pile up (`batch_rows_dspark.py` keeps that layout, the rows' ids and their scores). A finished row leaves the
+batch. Each row therefore sees exactly its own tokens, as in plain batched `generate`: greedy rows are the target's
+own argmax, sampled rows pass speculative sampling row by row.
 
 Reading order: what a batch cannot do → one batched call: prefill, draft, verify, accept, commit, stop → the output
 in `generate`'s layout.
@@ -162,11 +163,11 @@ class DSparkBatchGeneration:
         accepted, bonus = self._accept(batch, drafts, counts, logits)
         self._keep_scores(batch.rows, logits, raw, accepted)
         verified_s = time.perf_counter() - started - drafted_s
-        price = self.schedule.price_of(counts, self.drafter_ran)
-        if price is not None:
-            self.stats.round_prices.append((bool(counts.any()), price, drafted_s + verified_s))
-        outcome = self.schedule.observe_round(counts, accepted, self.drafter_ran, drafted_s, verified_s)
-        self._record(counts, accepted, drafted_s, verified_s, outcome)
+        price = self.schedule.price_of(counts, self.drafter_ran)  # before the schedule learns from this round
+        self.stats.record_price(bool(counts.any()), price, drafted_s + verified_s)
+        self.stats.record_calibration(self.schedule.observe_round(counts, accepted, self.drafter_ran, drafted_s,
+                                                                  verified_s))
+        self._record(counts, accepted, drafted_s, verified_s)
         self._advance(batch, drafts.token_ids, counts, accepted, bonus, outputs)
 
     def _room(self, batch: DSparkBatchRows) -> torch.LongTensor:
@@ -354,7 +355,7 @@ class DSparkBatchGeneration:
             return True
         return None not in self.stopped_at and self.ids.new_tokens(row) >= max(self.stopped_at)
 
-    def _record(self, counts, accepted, draft_s: float, verify_s: float, outcome: tuple[float, int, int] | None):
+    def _record(self, counts, accepted, draft_s: float, verify_s: float):
         width = int(counts.max()) if counts.numel() else 0
         self.stats.widths.append(width)
         self.stats.round_rows.append(int(counts.numel()))
@@ -364,11 +365,6 @@ class DSparkBatchGeneration:
         self.stats.accepted += accepted.tolist()
         self.stats.draft_time_s += draft_s
         self.stats.verify_time_s += verify_s
-        if outcome is not None:  # the drafts verification reached, against their predicted survival
-            predicted, observed, verified = outcome
-            self.stats.confidence_predicted += predicted
-            self.stats.confidence_observed += observed
-            self.stats.confidence_verified += verified
 
     def _output(self):
         """Plain generate's layout: the padded prompts, then each row's tokens, padded after a finished row."""

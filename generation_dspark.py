@@ -68,6 +68,18 @@ class DSparkGenerationStats:
         """Tokens committed per verify round, bonus included (τ measured live)."""
         return 1.0 + sum(self.accepted) / max(self.rounds, 1)
 
+    def record_price(self, drafted: bool, price: float | None, took: float) -> None:
+        """A round the schedule priced (None: it prices nothing, or this round was none it chooses)."""
+        if price is not None:
+            self.round_prices.append((drafted, price, took))
+
+    def record_calibration(self, outcome: tuple[float, int, int] | None) -> None:
+        """The drafts verification reached in a round: Σ their predicted survival, how many were accepted, how many."""
+        if outcome is not None:
+            self.confidence_predicted += outcome[0]
+            self.confidence_observed += outcome[1]
+            self.confidence_verified += outcome[2]
+
     def acceptance_cumulative(self) -> list[float]:
         """P(drafts 1..k all accepted) over rounds that proposed at least k drafts."""
         return [
@@ -331,14 +343,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.stats.accepted.append(int(num_matches))
             counts, accepted = torch.tensor([self._last_drafted]), torch.tensor([int(num_matches)])
             price = self.schedule.price_of(counts, self._drafter_ran)
-            if price is not None:
-                self.stats.round_prices.append((self._last_drafted > 0, price, (self._draft_s or 0.0) + elapsed))
+            self.stats.record_price(self._last_drafted > 0, price, (self._draft_s or 0.0) + elapsed)
             outcome = self.schedule.observe_round(counts, accepted, self._drafter_ran, self._draft_s, elapsed,
                                                   recalibrate=not self._lookup_ngram)
             if self._lookup_ngram:
                 self._learn_lookup(int(num_matches))
-            elif outcome is not None:
-                self._count_calibration(outcome)
+            elif outcome is not None:  # keep the schedule's bias on the drafter for the next call
+                self.stats.record_calibration(outcome)
+                self.state.confidence_bias[self.bias_key] = self.schedule.bias
         self._prefilled = True
 
     def _learn_lookup(self, num_accepted: int):
@@ -346,15 +358,6 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats.lookup_rounds += 1
         self.stats.lookup_drafted += self._last_drafted
         self.stats.lookup_accepted += min(num_accepted, self._last_drafted)
-
-    def _count_calibration(self, outcome: tuple[float, int, int]):
-        """Count this round's verified drafts in the stats, and keep the schedule's bias on the drafter for the next
-        call."""
-        predicted, observed, verified = outcome
-        self.stats.confidence_predicted += predicted
-        self.stats.confidence_observed += observed
-        self.stats.confidence_verified += verified
-        self.state.confidence_bias[self.bias_key] = self.schedule.bias
 
 
 __all__ = [

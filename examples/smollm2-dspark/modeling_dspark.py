@@ -3,16 +3,17 @@
 
 Remote-code file: copied next to every checkpoint, imports only torch and transformers (siblings as `from .x`).
 
-Reading order (as in `modeling_llama.py`): norm → rotary → MLP → attention with KV injection → draft layer →
-model outputs → checkpoint checks → PreTrainedModel → DSparkForDrafting (training forward; the drafting
-primitives, one loop for one row or many: `block_rows`, `draft`, `draft_block`; and the methods that plug the drafter
-into `target.generate(assistant_model=drafter)`). The rest lives beside this file, one concern each:
-`configuration_dspark` (config, presets, target check), `heads_dspark` (Markov and confidence heads), `context_cache_dspark` (the committed context's K/V),
-`token_choice_dspark` (how a draft is chosen), `scheduling_dspark` (one family of draft schedules, back-off, prompt
-lookup), `live_profiling_dspark` and `profiling_dspark` (what rounds cost), `settings_dspark` (drafting settings and
-the state kept between calls), and the two drivers over the one drafting loop: `generation_dspark` (one row, inside
-transformers' assisted loop; `routing_dspark` hands it to generate()) and `batching_dspark` (a batch, with
-`batch_rows_dspark` and `packing_dspark`).
+Reading order (as in `modeling_llama.py`): norm → rotary → MLP → attention with KV injection → draft layer → model
+outputs → checkpoint checks → PreTrainedModel → DSparkForDrafting (training forward; the drafting primitives, one
+loop for one row or many: `block_rows`, `draft`, `draft_block`; and the methods that plug the drafter into
+`target.generate(assistant_model=drafter)`). The rest lives beside this file, one concern each:
+`configuration_dspark` (config, presets, target check), `heads_dspark` (Markov and confidence heads),
+`context_cache_dspark` (the committed context's K/V), `token_choice_dspark` (how a draft is chosen),
+`scheduling_dspark` (one family of draft schedules, back-off, prompt lookup), `live_profiling_dspark` and
+`profiling_dspark` (what rounds cost), `settings_dspark` (drafting settings and the state kept between calls), and
+the two drivers over the one drafting loop: `generation_dspark` (one row, inside transformers' assisted loop;
+`routing_dspark` hands it to generate()) and `batching_dspark` (a batch, with `batch_rows_dspark` and
+`packing_dspark`).
 
 Notation: d hidden size, m aux layers, B block size, N drafts per block (B-1, or B with `sample_from_anchor`),
 V_t target vocab, V_d draft vocab, r Markov rank. Draft n (1..N) always predicts the token at position p+n, where
