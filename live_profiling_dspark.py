@@ -24,7 +24,6 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from .profiling_dspark import (
-    PROFILE_CONTEXT_LENGTHS,
     DSparkBatchVerifyProfile,
     DSparkVerifyProfile,
     _interpolate,
@@ -82,10 +81,6 @@ class DSparkLiveVerifyProfile:
     def noisy(self) -> bool:
         """Nothing to rank k by yet: no live pass seen, and no measured profile (or only a noisy one)."""
         return not any(self.counts) and (self.prior is None or self.prior.noisy)
-
-    @property
-    def context_lengths(self) -> list[int]:
-        return self.prior.context_lengths if self.prior is not None else [PROFILE_CONTEXT_LENGTHS[0]]
 
     def shape(self, num_drafts: int, context_length: int) -> float:
         if self.prior is not None:
