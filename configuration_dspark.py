@@ -46,9 +46,10 @@ from transformers import PreTrainedConfig, PreTrainedModel  # noqa: E402
 
 
 # The remote-code files, written once: each checkpoint carries all of them (`save_pretrained` copies every file that
-# `modeling_dspark.py` imports; `make sync-remote-code` and the wheel build read this list).
+# `drafting_dspark.py` imports; `make sync-remote-code` and the wheel build read this list).
 REMOTE_CODE_FILES = (
     "configuration_dspark.py",
+    "drafting_dspark.py",
     "modeling_dspark.py",
     "heads_dspark.py",
     "context_cache_dspark.py",
@@ -68,6 +69,19 @@ MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 # The auto classes that load a drafter (`auto_map`): AutoModel, and AutoModelForCausalLM as users load assistants.
 DRAFTER_AUTO_CLASSES = ("AutoModel", "AutoModelForCausalLM")
+
+DRAFTER_CLASS = "drafting_dspark.DSparkForDrafting"
+FORMER_DRAFTER_CLASS = "modeling_dspark.DSparkForDrafting"  # where configs written before the drafting file name it
+
+
+def drafter_auto_map(auto_map: dict | None) -> dict:
+    """`auto_map` with every drafter auto class (AutoModelForCausalLM too: the habit for assistant models) naming the
+    same class as AutoModel. A config written when the class lived in `modeling_dspark` names this code's file, since
+    this code is what saving it copies (a Hub load prefixes each entry with its repo, kept as it is)."""
+    auto_map = dict(auto_map or {"AutoConfig": "configuration_dspark.DSparkConfig", "AutoModel": DRAFTER_CLASS})
+    drafter = auto_map.get("AutoModel", DRAFTER_CLASS).replace(FORMER_DRAFTER_CLASS, DRAFTER_CLASS)
+    return {**auto_map, **{name: drafter for name in DRAFTER_AUTO_CLASSES}}
+
 
 # Draft transformer fields that live both flat on the config and inside `transformer_layer_config`.
 _GEOMETRY_DEFAULTS: dict[str, Any] = {
@@ -217,12 +231,7 @@ class DSparkConfig(PreTrainedConfig):
             self.confidence_temperatures = [1.0] * self.num_draft_tokens
         if self.architectures is None:
             self.architectures = ["DSparkForDrafting"]
-        # AutoModelForCausalLM too: the habit for assistant models (it returns the same drafter), older configs included
-        auto_map = dict(kwargs.pop("auto_map", None) or {"AutoConfig": "configuration_dspark.DSparkConfig",
-                                                          "AutoModel": "modeling_dspark.DSparkForDrafting"})
-        for name in DRAFTER_AUTO_CLASSES:  # a Hub load prefixes each entry with its repo: copy AutoModel's as it is
-            auto_map.setdefault(name, auto_map.get("AutoModel", "modeling_dspark.DSparkForDrafting"))
-        kwargs["auto_map"] = auto_map
+        kwargs["auto_map"] = drafter_auto_map(kwargs.pop("auto_map", None))
         super().__post_init__(**kwargs)
         self._check()
 
@@ -314,6 +323,7 @@ class DSparkConfig(PreTrainedConfig):
         output = super().to_dict()
         output["transformer_layer_config"] = self.transformer_layer_config()
         output["speculators_config"] = self.speculators_config()
+        output["auto_map"] = drafter_auto_map(output.get("auto_map"))  # saving sets AutoModel's alone
         return output
 
     @classmethod

@@ -6,10 +6,10 @@ and commits tokens; this file supplies the candidates. Reading order: generation
 (one verify round at a time: extend the drafter's context, draft a block, let the schedule and the stops decide how
 much of it to propose, learn from the outcome). `routing_dspark.py` hands it to generate().
 
-Imports run one way: `modeling_dspark` → `routing_dspark`, `batching_dspark` → this file → `scheduling_dspark`,
-`settings_dspark` → `live_profiling_dspark` → `profiling_dspark` → `configuration_dspark` (the model needs its two
-drivers, both drivers the schedules and the drafting settings, the settings the round costs, the costs their profiles,
-and everything the config). The drivers reach the model's drafting loop only through the drafter they are handed.
+Imports run one way: `drafting_dspark` (the class users load) → the drivers (`routing_dspark`, `batching_dspark`,
+this file) → the engine (`scheduling_dspark`, `settings_dspark` → `live_profiling_dspark` → `profiling_dspark`,
+`token_choice_dspark`) → the model (`modeling_dspark`, `heads_dspark`, `context_cache_dspark`,
+`configuration_dspark`). The drivers reach the model's drafting loop only through the drafter they are handed.
 """
 
 from __future__ import annotations

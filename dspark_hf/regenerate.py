@@ -515,7 +515,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_drafter(directory: str, model):
     """The drafter in its checkpoint's dtype, on the target's device, bound to the target."""
-    from .remote_code.modeling_dspark import DSparkForDrafting
+    from .remote_code.drafting_dspark import DSparkForDrafting
 
     drafter = DSparkForDrafting.from_pretrained(directory, dtype="auto").to(input_device(model)).eval()
     drafter.attach_to(model)

@@ -357,8 +357,8 @@ def design_layout(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]])
     assert config["speculators_model_type"] == "dspark" and config["model_type"] == "dspark"
     assert config["architectures"] == ["DSparkForDrafting"]
     assert config["auto_map"] == {"AutoConfig": "configuration_dspark.DSparkConfig",
-                                  "AutoModel": "modeling_dspark.DSparkForDrafting",
-                                  "AutoModelForCausalLM": "modeling_dspark.DSparkForDrafting"}
+                                  "AutoModel": "drafting_dspark.DSparkForDrafting",
+                                  "AutoModelForCausalLM": "drafting_dspark.DSparkForDrafting"}
     layer = config["transformer_layer_config"]
     assert layer["model_type"] == "qwen3"
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",

@@ -13,7 +13,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from dspark_hf import DSparkDraftOutput
-from dspark_hf.remote_code import modeling_dspark, routing_dspark, token_choice_dspark
+from dspark_hf.remote_code import drafting_dspark, routing_dspark, token_choice_dspark
 
 PROMPTS = [[1, 17, 42, 9], [1, 5, 5, 5, 60, 61, 62, 30, 11], [1, 88, 3, 77, 14, 50]]
 

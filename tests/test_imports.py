@@ -82,8 +82,26 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_import_graph_has_no_cycle():
     graph = import_graph()
     assert graph["dspark_hf.evaluation"] and graph["dspark_hf.calibration"]  # the parser sees edges at all
-    assert "dspark_hf.remote_code.generation_dspark" in graph["dspark_hf.remote_code.modeling_dspark"]  # and siblings
+    assert "dspark_hf.remote_code.generation_dspark" in graph["dspark_hf.remote_code.drafting_dspark"]  # and siblings
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+# The remote code's layers, lowest first: each file imports only from its own layer or the ones below.
+REMOTE_CODE_LAYERS = (
+    ("configuration_dspark", "heads_dspark", "context_cache_dspark", "modeling_dspark"),  # the model
+    ("token_choice_dspark", "scheduling_dspark", "profiling_dspark", "live_profiling_dspark", "settings_dspark"),  # engine
+    ("generation_dspark", "batching_dspark", "batch_rows_dspark", "packing_dspark", "routing_dspark"),  # the drivers
+    ("drafting_dspark",),  # the class users load
+)
+
+
+def test_remote_code_imports_run_driver_to_engine_to_model():
+    graph = import_graph()
+    layer_of = {f"dspark_hf.remote_code.{name}": i for i, names in enumerate(REMOTE_CODE_LAYERS) for name in names}
+    assert set(layer_of) == {f"dspark_hf.remote_code.{name[:-3]}" for name in remote_code_files()}
+    upward = sorted(f"{source} -> {target}" for source in layer_of for target in graph[source]
+                    if target in layer_of and layer_of[target] > layer_of[source])
+    assert upward == [], "a lower layer imports a higher one"
 
 
 def test_no_module_imports_the_cli():

@@ -99,6 +99,20 @@ def test_one_drafting_loop_drafts_each_row_of_a_padded_batch_as_that_row_alone(m
         torch.testing.assert_close(batch.confidences[row], own.confidences[0], rtol=1e-5, atol=1e-5)
 
 
+def test_a_config_written_before_the_drafting_file_names_it_and_saves_every_auto_class_alike(tmp_path):
+    """Configs saved when the drafter class lived in modeling_dspark load with the class where this code has it, and
+    saving rewrites AutoModelForCausalLM with AutoModel (transformers' save sets AutoModel's entry alone)."""
+    target = make_tiny_target("llama")
+    make_drafter(target, draft_vocab_size=64).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_dspark.DSparkConfig", "AutoModel": "modeling_dspark.DSparkForDrafting"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert DSparkConfig.from_pretrained(tmp_path).auto_map["AutoModelForCausalLM"] == "drafting_dspark.DSparkForDrafting"
+    DSparkForDrafting.from_pretrained(tmp_path).save_pretrained(tmp_path / "again")
+    saved = json.loads((tmp_path / "again" / "config.json").read_text())["auto_map"]
+    assert saved["AutoModel"] == saved["AutoModelForCausalLM"] == "drafting_dspark.DSparkForDrafting"
+
+
 def test_save_and_reload_with_trust_remote_code_in_a_fresh_process(tmp_path):
     target = make_tiny_target("llama")
     drafter = make_drafter(target, draft_vocab_size=64).to(torch.bfloat16)
@@ -107,8 +121,8 @@ def test_save_and_reload_with_trust_remote_code_in_a_fresh_process(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["auto_map"] == {
         "AutoConfig": "configuration_dspark.DSparkConfig",
-        "AutoModel": "modeling_dspark.DSparkForDrafting",
-        "AutoModelForCausalLM": "modeling_dspark.DSparkForDrafting",  # the habit for assistant models
+        "AutoModel": "drafting_dspark.DSparkForDrafting",
+        "AutoModelForCausalLM": "drafting_dspark.DSparkForDrafting",  # the habit for assistant models
     }
     assert config["model_type"] == "dspark" and config["speculators_model_type"] == "dspark"
     assert config["vocab_size"] == target.config.vocab_size

@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from ..remote_code.configuration_dspark import DSparkConfig
-from ..remote_code.modeling_dspark import DSparkForDrafting, expected_tensor_shapes
+from ..remote_code.drafting_dspark import DSparkForDrafting
+from ..remote_code.modeling_dspark import expected_tensor_shapes
 from ..vocab import full_draft_vocab
 
 BOUND_TENSORS = ("embed_tokens.weight", "lm_head.weight")

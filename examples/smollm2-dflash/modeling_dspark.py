@@ -1,11 +1,14 @@
 # Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
-"""DSpark drafter: a DFlash-style parallel block drafter with a Markov logit-bias head and a confidence head.
+"""DSpark drafter network: a DFlash-style parallel block drafter with a Markov logit-bias head and a confidence head.
 
-Remote-code file: copied next to every checkpoint, imports only torch and transformers (siblings as `from .x`).
+Remote-code file: copied next to every checkpoint, imports only torch and transformers (siblings as `from .x`), and
+of its siblings only the model's own parts (config, heads, context cache): the engine and the drivers import this
+file, never the other way round.
 
 Reading order (as in `modeling_llama.py`): norm → rotary → MLP → attention with KV injection → draft layer → model
-outputs → checkpoint checks → PreTrainedModel → DSparkForDrafting (training forward; the drafting primitives, one
-loop for one row or many: `block_rows`, `draft`, `draft_block`; and the methods that plug the drafter into
+outputs → checkpoint checks → PreTrainedModel → DSparkDraftModel (training forward; the drafting primitives, one
+loop for one row or many: `block_rows`, `draft`). `drafting_dspark` builds the class users load on it
+(`DSparkForDrafting`: drafting settings, `draft_block`, and the methods that plug the drafter into
 `target.generate(assistant_model=drafter)`). The rest lives beside this file, one concern each:
 `configuration_dspark` (config, presets, target check), `heads_dspark` (Markov and confidence heads),
 `context_cache_dspark` (the committed context's K/V), `token_choice_dspark` (how a draft is chosen),
@@ -26,29 +29,21 @@ import glob
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.generation.logits_process import LogitsProcessorList
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
 
-from .configuration_dspark import DSparkConfig, adopt_special_tokens, check_target_compatibility
+from .configuration_dspark import DSparkConfig
 from .context_cache_dspark import DSparkContextCache
-from .batching_dspark import DSparkBatchGeneration, check_batch_limits
-from .generation_dspark import DSparkCandidateGenerator, DSparkGenerationStats
 from .heads_dspark import MARKOV_HEAD_CLASSES, DSparkConfidenceHead, DSparkVanillaMarkovHead
-from .routing_dspark import DSPARK_STOPPING_ATTRIBUTE, install_dspark_routing
-from .scheduling_dspark import DSparkDraftSchedule, draft_schedule
-from .settings_dspark import DSparkDraftingState, default_drafting_config, with_default_drafting
-from .token_choice_dspark import DSparkTokenChooser, sampling_warpers
 
 # A block of at most this many (row, position) pairs runs the LM head over every position at once (see `_base_logits`).
 LM_HEAD_AT_ONCE = 8
@@ -283,7 +278,7 @@ class DSparkDraftOutput(ModelOutput):
 def expected_tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the checkpoint layout and its shape, from the model itself (built on the meta device)."""
     with torch.device("meta"):
-        return {name: tuple(t.shape) for name, t in DSparkForDrafting(config).state_dict().items()}
+        return {name: tuple(t.shape) for name, t in DSparkDraftModel(config).state_dict().items()}
 
 
 def check_checkpoint_shapes(directory: str, config: DSparkConfig):
@@ -326,22 +321,23 @@ class DSparkPreTrainedModel(PreTrainedModel):
             module.inv_freq.copy_(inv_freq)
         if isinstance(module, DSparkVanillaMarkovHead):
             nn.init.normal_(module.markov_w1.weight, mean=0.0, std=0.01)
-        if isinstance(module, DSparkForDrafting):
+        if isinstance(module, DSparkDraftModel):
             # Identity draft vocabulary until `set_draft_vocab` installs a real one.
             module.d2t.zero_()
             module.t2d.zero_()
             module.t2d[: self.config.draft_vocab_size] = True
 
 
-class DSparkForDrafting(DSparkPreTrainedModel):
-    """A DSpark drafter.
+class DSparkDraftModel(DSparkPreTrainedModel):
+    """The DSpark drafter's network and its drafting primitives (`DSparkForDrafting` in `drafting_dspark` is the
+    class users load).
 
     Tensors (names are the checkpoint format): `layers.{i}.*`, `fc`, `hidden_norm`, `norm`, `embed_tokens` (frozen copy
     of the target's input embeddings, [V_t, d]), `lm_head` (frozen target LM-head rows where `t2d`, [V_d, d]), `d2t`,
     `t2d`, `markov_head.*`, `confidence_head.*`.
 
     `embed_tokens` and `lm_head` may be absent from a checkpoint (`config.bind_target_embeddings`): they are then bound
-    from the target with `bind_target(target)`, which the candidate generator calls on first use.
+    from the target (`DSparkForDrafting.bind_target`), which the candidate generator does on first use.
     """
 
     _keys_to_ignore_on_load_missing = [r"^embed_tokens\.weight$", r"^lm_head\.weight$"]
@@ -360,17 +356,12 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         self.confidence_head = DSparkConfidenceHead(config) if config.enable_confidence_head else None
         self.d2t = nn.Buffer(torch.zeros(config.draft_vocab_size, dtype=torch.long))  # draft id j -> target j + d2t[j]
         self.t2d = nn.Buffer(torch.zeros(config.vocab_size, dtype=torch.bool))  # target id in draft vocab?
-        # Drafting settings (`num_assistant_tokens`, `dspark_*`; by default the hardware schedule with prompt lookup),
-        # read by the candidate generator: see `DSparkDraftingSettings`. What the drafter learns from one generate call
-        # to the next: `drafting_state`.
-        self.generation_config = default_drafting_config(config.num_draft_tokens)
-        self.drafting_state = DSparkDraftingState()
         self.post_init()
         self.embed_tokens.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)
 
     # --------------------------------------------------------------------------------------------------------------
-    # Vocabulary and target binding
+    # Vocabulary
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -391,47 +382,6 @@ class DSparkForDrafting(DSparkPreTrainedModel):
     def draft_to_target_ids(self) -> torch.LongTensor:
         """Target id of each draft id (V_d,)."""
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
-
-    @torch.no_grad()
-    def bind_target(self, target: PreTrainedModel):
-        """Copy the frozen embedding table and the draft-vocab rows of the LM head from the target model."""
-        check_target_compatibility(self.config, target)
-        embeddings = target.get_input_embeddings().weight
-        head = target.get_output_embeddings().weight
-        device = self.fc.weight.device
-        self.embed_tokens.weight.copy_(embeddings.to(device=device, dtype=self.embed_tokens.weight.dtype))
-        rows = self.draft_to_target_ids.to(head.device)
-        self.lm_head.weight.copy_(head[rows].to(device=device, dtype=self.lm_head.weight.dtype))
-        self.drafting_state.bound_target = target.config.name_or_path
-
-    def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
-        """Also writes the drafting settings (`generation_config.json`); checkpoints with `bind_target_embeddings`
-        omit the frozen target copies (they come from the target at attach time)."""
-        if self.config.bind_target_embeddings:
-            state_dict = dict(state_dict if state_dict is not None else self.state_dict())
-            state_dict.pop("embed_tokens.weight", None)
-            state_dict.pop("lm_head.weight", None)
-        result = super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
-        if kwargs.get("is_main_process", True):
-            self.generation_config.save_pretrained(save_directory)
-        return result
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        if os.path.isdir(pretrained_model_name_or_path):
-            config = kwargs.get("config")
-            check_checkpoint_shapes(
-                pretrained_model_name_or_path,
-                config if isinstance(config, DSparkConfig) else DSparkConfig.from_pretrained(pretrained_model_name_or_path),
-            )
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        hub_kwargs = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
-        try:
-            loaded = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
-            model.generation_config = with_default_drafting(loaded)  # what the file sets, defaults for the rest
-        except OSError:  # no generation_config.json: keep the defaults
-            pass
-        return model
 
     # --------------------------------------------------------------------------------------------------------------
     # Shared pieces of training and inference
@@ -645,8 +595,8 @@ class DSparkForDrafting(DSparkPreTrainedModel):
         cache: DSparkContextCache,
         anchor_ids: torch.LongTensor,  # (b,)
         num_drafts: int,
-        chooser: DSparkTokenChooser,
-        schedule: DSparkDraftSchedule,
+        chooser,  # how a draft is chosen (`token_choice_dspark.DSparkTokenChooser`)
+        schedule,  # which positions are drafted (a `scheduling_dspark` schedule)
         positions: torch.LongTensor | None = None,  # (b,), as for `block_rows`
         context_mask: torch.Tensor | None = None,  # (b, t) bool, as for `block_rows`
     ) -> DSparkDraftOutput:
@@ -688,104 +638,16 @@ class DSparkForDrafting(DSparkPreTrainedModel):
             survival=torch.cumprod(confidences.double(), dim=-1).to(confidences.dtype) if confidences is not None else None,
         )
 
-    @torch.no_grad()
-    def draft_block(
-        self,
-        cache: DSparkContextCache,
-        anchor_id: torch.LongTensor | int,
-        num_drafts: int | None = None,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        logits_processor: LogitsProcessorList | None = None,
-        input_ids: torch.LongTensor | None = None,
-        confidence_threshold: float | None = None,
-        verify_cost: float | None = None,
-        generator: torch.Generator | None = None,
-        schedule: DSparkDraftSchedule | None = None,
-    ) -> DSparkDraftOutput:
-        """Draft one block for one row after the cached context (`draft` for a batch of one).
-
-        Sampling draws each x_n from q_n = softmax(processed(U_n + bias(prev))), scattered to the target vocab; the
-        processed target-vocab logits are returned so rejection sampling uses exactly that q. A `schedule` may end
-        the block early from the calibrated confidences; `confidence_threshold` / `verify_cost` build the threshold
-        and verify-cost schedules (see `draft_schedule`).
-        """
-        anchor = torch.as_tensor(anchor_id, device=self.fc.weight.device).reshape(1)
-        if logits_processor is None and do_sample:
-            logits_processor = sampling_warpers(temperature, top_k, top_p)
-        sequence = input_ids if input_ids is not None else anchor.reshape(1, 1)
-        chooser = DSparkTokenChooser(self.draft_to_target_ids, self.config.vocab_size, do_sample, logits_processor,
-                                     sequence, generator)
-        schedule = schedule if schedule is not None else draft_schedule(confidence_threshold, verify_cost)
-        return self.draft(cache, anchor, self.num_draft_tokens if num_drafts is None else num_drafts, chooser, schedule)
-
-    # --------------------------------------------------------------------------------------------------------------
-    # transformers integration: the routing hooks (`routing_dspark.py`) call this, bound to the drafter, to serve
-    # `target.generate(..., assistant_model=drafter)`; its name is DSPARK_FACTORY_ATTRIBUTE.
-
-    def _dspark_candidate_generator_for_call(
-        self,
-        target: PreTrainedModel,
-        generation_config: GenerationConfig,
-        input_ids: torch.LongTensor,
-        logits_processor: LogitsProcessorList,
-        model_kwargs: dict[str, Any],
-        stopping_criteria=None,
-    ) -> DSparkCandidateGenerator:
-        """The generator of one call, handed that call's stopping criteria (DSPARK_CALL_FACTORY_ATTRIBUTE)."""
-        return DSparkCandidateGenerator(
-            self, target, input_ids, generation_config, logits_processor, model_kwargs, stopping_criteria
-        )
-
-    def _dspark_candidate_generator_factory(self, target, generation_config, input_ids, logits_processor, model_kwargs):
-        """The same for older hooks (an older checkpoint's code imported first), which set the criteria on the drafter
-        for the call (DSPARK_FACTORY_ATTRIBUTE)."""
-        stopping_criteria = getattr(self, DSPARK_STOPPING_ATTRIBUTE, None)
-        return self._dspark_candidate_generator_for_call(
-            target, generation_config, input_ids, logits_processor, model_kwargs, stopping_criteria
-        )
-
-    def _dspark_batched_decoding(self, target: PreTrainedModel, input_ids: torch.LongTensor, logits_processor,
-                                 stopping_criteria, generation_config: GenerationConfig, streamer=None, **model_kwargs):
-        """`target.generate(..., assistant_model=drafter)` on a batch of more than one row (the routing hook calls
-        this, bound to the drafter; its name is DSPARK_BATCH_ATTRIBUTE): the package's batched loop."""
-        check_batch_limits(target, generation_config, model_kwargs.get("attention_mask"), streamer)
-        generation = DSparkBatchGeneration(self, target, generation_config, logits_processor, stopping_criteria, model_kwargs)
-        return generation.generate(input_ids)
-
-    def attach_to(self, target: PreTrainedModel):
-        """Check that this drafter fits the target, copy the target's embeddings where the checkpoint omits them, and
-        its special token ids where an older checkpoint has none (`pipeline` compares them)."""
-        if self.config.bind_target_embeddings and self.drafting_state.bound_target != target.config.name_or_path:
-            self.bind_target(target)  # checks the target first
-        else:
-            check_target_compatibility(self.config, target)
-        adopt_special_tokens(self.config, target)
-
     def new_context_cache(self) -> DSparkContextCache:
         """An empty context cache for one generation (the candidate generator's)."""
         return DSparkContextCache()
 
-    @property
-    def last_generation_stats(self) -> DSparkGenerationStats | None:
-        """What the last `generate` call with this drafter did (rounds, drafts, acceptance, times)."""
-        return self.drafting_state.last_stats
-
-
-install_dspark_routing()
-
-# `save_pretrained`/`push_to_hub` write `auto_map` and copy the remote-code files next to the weights (every file
-# imported from these two, transitively).
-DSparkConfig.register_for_auto_class()
-DSparkForDrafting.register_for_auto_class("AutoModel")
 
 
 __all__ = [
     "DSparkContextCache",
+    "DSparkDraftModel",
     "DSparkDraftOutput",
-    "DSparkForDrafting",
     "DSparkPreTrainedModel",
     "DSparkTrainingOutput",
     "check_checkpoint_shapes",

@@ -1,7 +1,7 @@
 # Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
 """Token choice: each draft is chosen the way the target will judge it, for one row or many alike.
 
-Remote-code file (imports only torch and transformers). The drafting loop (`DSparkForDrafting.draft`) hands the
+Remote-code file (imports only torch and transformers). The drafting loop (`DSparkDraftModel.draft`) hands the
 chooser each position's Markov-corrected logits (rows, V_d); the chooser returns the drafts and, when sampling, the q
 they were drawn from, which speculative sampling needs exactly.
 """
