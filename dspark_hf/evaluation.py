@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -175,9 +176,9 @@ def live_acceptance(stats) -> dict[str, Any]:
         live_calibration.update(packed=stats.packed, verified_tokens=sum(stats.verified_tokens),
                                 padded_tokens=sum(stats.padded_tokens()))
     for with_drafts, name in ((False, "plain"), (True, "drafted")):  # the schedule's price of a round against its time
-        ratios = sorted(price / took for d, price, took in getattr(stats, "round_prices", ()) if d == with_drafts and took > 0)
+        ratios = [price / took for d, price, took in getattr(stats, "round_prices", ()) if d == with_drafts and took > 0]
         if ratios:
-            live_calibration.update({f"{name}_price_ratio": ratios[len(ratios) // 2], f"{name}_rounds_priced": len(ratios)})
+            live_calibration.update({f"{name}_price_ratio": statistics.median_high(ratios), f"{name}_rounds_priced": len(ratios)})
     if getattr(stats, "lookup_rounds", 0):
         live_calibration.update(lookup_rounds=stats.lookup_rounds, lookup_drafted=stats.lookup_drafted,
                                 lookup_accepted=stats.lookup_accepted)
