@@ -34,7 +34,7 @@ from .settings_dspark import DSparkDraftingSettings, prepare_drafter
 
 # The counters of DSparkGenerationStats that add up over generate calls.
 SUMMED_STATS = ("draft_time_s", "verify_time_s", "confidence_predicted", "confidence_observed", "confidence_verified",
-                "lookup_rounds", "lookup_drafted", "lookup_accepted")
+                "lookup_rounds", "lookup_drafted", "lookup_accepted", "prefill_tokens", "prefill_padded_tokens")
 
 
 @dataclass
@@ -58,6 +58,8 @@ class DSparkGenerationStats:
     lookup_rounds: int = 0  # rounds whose drafts came from prompt lookup (included in drafted/accepted)
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    prefill_tokens: int = 0  # batched: prompt tokens through the target's layers (packed: each row's own)
+    prefill_padded_tokens: int = 0  # ... and rows × longest prompt, what a padded prefill runs
 
     @property
     def rounds(self) -> int:

@@ -294,7 +294,8 @@ def format_report(report: dict[str, Any]) -> str:
 
 def batch_round_summary(row: dict[str, Any]) -> str:
     """Batched: what the schedule chose per round (widest row, plain steps), the per-row draft lengths (row-rounds
-    verifying 0, 1, ... drafts) and the tokens verified against padding every row to the widest."""
+    verifying 0, 1, ... drafts), the tokens verified against padding every row to the widest, and the prompt tokens
+    the prefill ran against left padding."""
     if "mean_width" not in row:
         return ""
     text = f"   width {row['mean_width']:.2f}, plain steps {row['plain_step_share']:.0%}"
@@ -302,6 +303,8 @@ def batch_round_summary(row: dict[str, Any]) -> str:
     if "verified_tokens" in row:
         text += (f", verified {row['verified_tokens']} of {row['padded_tokens']} padded tokens "
                  f"({'packed' if row['packed'] else 'padded'})")
+    if "prefill_tokens" in row:
+        text += f", prefill {row['prefill_tokens']} of {row['prefill_padded_tokens']} padded tokens"
     return text
 
 

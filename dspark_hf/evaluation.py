@@ -175,6 +175,8 @@ def live_acceptance(stats) -> dict[str, Any]:
     if getattr(stats, "verified_tokens", None):  # ... and the tokens its rounds verified, against padding to the widest
         live_calibration.update(packed=stats.packed, verified_tokens=sum(stats.verified_tokens),
                                 padded_tokens=sum(stats.padded_tokens()))
+    if getattr(stats, "prefill_padded_tokens", 0):  # ... and the prompt tokens its prefill ran, against left padding
+        live_calibration.update(prefill_tokens=stats.prefill_tokens, prefill_padded_tokens=stats.prefill_padded_tokens)
     for with_drafts, name in ((False, "plain"), (True, "drafted")):  # the schedule's price of a round against its time
         ratios = [price / took for d, price, took in getattr(stats, "round_prices", ()) if d == with_drafts and took > 0]
         if ratios:

@@ -420,6 +420,81 @@ def test_packed_rounds_verify_each_rows_own_drafts_and_stay_token_identical():
         assert sum(stats.drafted) > 0
 
 
+def test_the_prefill_runs_each_rows_own_tokens_and_stays_token_identical():
+    """Prompts of mixed lengths go through the target packed, each row's own tokens (Σ L_r, not rows × longest), with
+    every row still plain batched generate's, packed or padded rounds after it; prompts of one length, and a target
+    packing cannot serve (eager attention), run plain generate's own padded prefill."""
+    target = make_tiny_target("llama")
+    eager = make_tiny_target("llama")
+    eager.set_attn_implementation("eager")
+    mixed, even = left_padded(PROMPTS), left_padded([p[:2] for p in PROMPTS])
+    for model, batch, packed_prefill in ((target, mixed, True), (target, even, False), (eager, mixed, False)):
+        for packed_rounds in (True, False):
+            drafter = per_row_drafter(model)
+            drafter.generation_config.dspark_packed_verification = packed_rounds
+            expected = batched_greedy(model, batch, max_new_tokens=14, eos_token_id=None)
+            out = batched_greedy(model, batch, max_new_tokens=14, eos_token_id=None, assistant_model=drafter)
+            assert torch.equal(out, expected), (packed_prefill, packed_rounds)
+            stats = drafter.last_generation_stats
+            assert stats.prefill_padded_tokens == batch["input_ids"].numel()
+            own = int(batch["attention_mask"].sum())
+            assert stats.prefill_tokens == (own if packed_prefill else batch["input_ids"].numel())
+    assert own < mixed["input_ids"].numel()
+
+
+def test_folded_query_heads_attend_exactly_as_transformers_does():
+    """A batch round's attention (several queries per row, a mask with holes, two query heads per key/value head)
+    runs the query heads that share a key/value head as that head's queries: the output is bit-identical to the
+    registered SDPA function's, and calls without DSpark's kwargs are that function's own."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from dspark_hf.remote_code import packing_dspark
+
+    module = make_tiny_target("llama").model.layers[0].self_attn
+    assert module.num_key_value_groups == 2
+    attention = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    original = attention.__wrapped__
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 4, 5, 16, generator=generator)
+    key, value = torch.randn(2, 3, 2, 11, 16, generator=generator)
+    mask = torch.rand(3, 1, 5, 11, generator=generator) > 0.3
+    mask[..., -1] = True  # every query sees a column
+    expected, _ = original(module, query, key, value, mask, scaling=module.scaling)
+    folded, _ = attention(module, query, key, value, mask, scaling=module.scaling, dspark_batch_round=True)
+    assert torch.equal(folded, expected) and folded.shape == (3, 5, 4, 16)
+    assert torch.equal(attention(module, query, key, value, mask, scaling=module.scaling)[0], expected)
+    assert getattr(attention, "_dspark_attention_version", 0) == packing_dspark.ATTENTION_VERSION
+
+
+def test_an_older_copys_attention_wrapper_gives_way_to_the_newest():
+    """A process that loaded an older checkpoint's remote code first holds that copy's SDPA wrapper (packing only):
+    installing this copy wraps what that one wrapped, once, and a second install changes nothing."""
+    import functools
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    from dspark_hf.remote_code import packing_dspark
+
+    newest = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    original = newest.__wrapped__
+
+    @functools.wraps(original)
+    def older(*args, dspark_packing=None, **kwargs):
+        return original(*args, **kwargs)
+
+    older._dspark_packing = True
+    try:
+        AttentionInterface.register("sdpa", older)
+        packing_dspark.install_packed_attention()
+        installed = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        assert installed is not older and installed.__wrapped__ is original
+        assert installed._dspark_attention_version == packing_dspark.ATTENTION_VERSION
+        packing_dspark.install_packed_attention()
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is installed
+    finally:
+        AttentionInterface.register("sdpa", newest)
+
+
 def test_row_lengths_rank_candidates_by_survival_and_sampling_decides_left_to_right():
     """Greedy: the best prefix of all (row, position) candidates by survival; sampling: row r's draft n is decided from
     survivals up to n only, so changing its later confidences never changes whether draft n is verified."""

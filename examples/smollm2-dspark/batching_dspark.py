@@ -13,6 +13,10 @@ holes pile up (`batch_rows_dspark.py` keeps that layout, the rows' ids and their
 batch. Each row therefore sees exactly its own tokens, as in plain batched `generate`: greedy rows are the target's
 own argmax, sampled rows pass speculative sampling row by row.
 
+The prompts themselves go through the target packed, each row's own tokens only, where they differ in length and
+packing serves the target (plain generate runs every row as long as the longest): the caches then start with each
+row's tokens and holes after them.
+
 Reading order: what a batch cannot do → one batched call: prefill, draft, verify, accept, commit, stop → the output
 in `generate`'s layout.
 """
@@ -101,7 +105,9 @@ class DSparkBatchGeneration:
         return self._output()
 
     def _prefill(self, input_ids: torch.LongTensor) -> DSparkBatchRows:
-        """The prompt through the target (exactly plain generate's prefill) and the first token of every row."""
+        """The prompts through the target and the first token of every row: packed, each row's own tokens only,
+        where the prompts differ in length and packing serves the target (`_packed_prefill`); else plain generate's
+        own left-padded prefill."""
         mask = self.model_kwargs.get("attention_mask")
         mask = torch.ones_like(input_ids) if mask is None else mask.long()
         cache = self.model_kwargs.get("cache")
@@ -110,9 +116,14 @@ class DSparkBatchGeneration:
         cache = self._new_cache()
         self.packed = self.settings.packed_verification and packs(self.target, cache)
         self.schedule.packed = self.stats.packed = self.packed
-        positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
-        outputs = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
-                              use_cache=True, output_hidden_states=self.aux_layer_ids, logits_to_keep=1)
+        self.stats.prefill_padded_tokens = self.stats.prefill_tokens = input_ids.numel()
+        if packs(self.target, cache) and not bool(mask.all()):
+            outputs, mask, positions = self._packed_prefill(input_ids, mask, cache)
+            self.stats.prefill_tokens = int(mask.sum())
+        else:
+            positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+            outputs = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                                  use_cache=True, output_hidden_states=self.aux_layer_ids, logits_to_keep=1)
         raw = outputs.logits[:, -1].float()
         scores = self.processors(input_ids, raw.clone() if self.wants_logits else raw)
         first = torch.multinomial(F.softmax(scores, dim=-1), 1).squeeze(1) if self.do_sample else scores.argmax(-1)
@@ -124,6 +135,24 @@ class DSparkBatchGeneration:
         batch.anchor = first
         self._commit(batch, [[int(t)] for t in first])
         return batch
+
+    def _packed_prefill(self, input_ids: torch.LongTensor, mask: torch.LongTensor, cache: DSparkPackedCache):
+        """The prefill over only the prompts' own tokens, end to end (1, Σ_r L_r), as packed rounds verify: plain
+        generate runs every row as long as the longest and masks the padding, which on a CPU costs rows × longest.
+        The caches get each row's tokens first and holes after them (masked, like a rejected draft's column), and
+        the target's LM head runs at each row's last token only. Returns (outputs in the padded layout, the caches'
+        column mask (a, W), the columns' positions (a, W))."""
+        lengths = mask.sum(dim=1)
+        packing = DSparkPacking(lengths - 1, rows_alone=not self.windowed)  # slot s < L_r: row r's prompt token s
+        order = mask.argsort(dim=1, descending=True, stable=True)[:, : packing.width]  # each row's tokens first
+        ids, positions = input_ids.gather(1, order), torch.arange(packing.width, device=mask.device).expand_as(order)
+        last = lengths.cumsum(0) - 1  # each row's last token among the packed ones
+        empty = mask[:, :0]
+        outputs = self._packed_call(packing, input_ids=packing.pack(ids), position_ids=packing.pack(positions),
+                                    attention_mask=self._round_mask(empty, packing, positions, packed=True),
+                                    cache=cache, logits_to_keep=last)
+        outputs.logits = outputs.logits[0][:, None]  # (a, 1, V)
+        return outputs, packing.valid.long(), positions
 
     def _new_cache(self) -> DSparkPackedCache:
         """The target's cache for this call: generate's own layers where every layer attends fully; with sliding
@@ -209,13 +238,14 @@ class DSparkBatchGeneration:
         processed = self._processed(batch, ids, packing.valid, raw.clone() if self.wants_logits else raw)
         return processed, raw, outputs
 
-    def _round_mask(self, batch: DSparkBatchRows, packing: DSparkPacking, positions: torch.LongTensor):
-        """Full attention: the rows' columns as a 2-D mask (padded; transformers adds the rest) or the 4-D one (packed).
-        Sliding windows: a 4-D mask per layer type (a dict where types differ), from each row's own positions."""
+    def _round_mask(self, cache_mask: torch.Tensor, packing: DSparkPacking, positions: torch.LongTensor, packed: bool):
+        """Full attention: the rows' columns (`cache_mask` (a, T)) as a 2-D mask (padded; transformers adds the rest)
+        or the 4-D one (packed). Sliding windows: a 4-D mask per layer type (a dict where types differ), from each
+        row's own positions."""
         if not self.windowed:
-            return packing.attention_mask(batch.mask) if self.packed else torch.cat([batch.mask, packing.valid.long()], 1)
-        key_positions = torch.cat([batch.mask.cumsum(-1) - 1, positions], dim=1)
-        masks = packing.windowed_masks(batch.mask, key_positions, self.windows)
+            return packing.attention_mask(cache_mask) if packed else torch.cat([cache_mask, packing.valid.long()], 1)
+        key_positions = torch.cat([cache_mask.cumsum(-1) - 1, positions], dim=1)
+        masks = packing.windowed_masks(cache_mask, key_positions, self.windows)
         if self.target.config._attn_implementation == "eager":  # eager adds its mask to the scores
             lowest = torch.finfo(self.target.dtype).min
             masks = {kind: torch.zeros(m.shape, dtype=self.target.dtype).masked_fill_(~m, lowest) for kind, m in masks.items()}
@@ -223,22 +253,28 @@ class DSparkBatchGeneration:
 
     def _padded_forward(self, batch: DSparkBatchRows, ids: torch.LongTensor, packing: DSparkPacking):
         positions = batch.next_position[:, None] + torch.arange(ids.shape[1], device=ids.device)
-        return self.target(input_ids=ids, attention_mask=self._round_mask(batch, packing, positions),
+        return self.target(input_ids=ids, attention_mask=self._round_mask(batch.mask, packing, positions, packed=False),
                            position_ids=positions, cache=batch.target_cache, use_cache=True,
-                           output_hidden_states=self.aux_layer_ids)
+                           output_hidden_states=self.aux_layer_ids, dspark_batch_round=True)
 
     def _packed_forward(self, batch: DSparkBatchRows, ids: torch.LongTensor, packing: DSparkPacking):
-        """The forward over the packed tokens (1, N); its logits and hidden states unpacked to (a, w + 1, ...)."""
+        """The forward over the packed tokens (1, N); its logits unpacked to (a, w + 1, V)."""
         positions = batch.next_position[:, None] + torch.arange(ids.shape[1], device=ids.device)
-        cache = batch.target_cache
+        outputs = self._packed_call(packing, input_ids=packing.pack(ids), position_ids=packing.pack(positions),
+                                    attention_mask=self._round_mask(batch.mask, packing, positions, packed=True),
+                                    cache=batch.target_cache)
+        outputs.logits = packing.unpack(outputs.logits)
+        return outputs
+
+    def _packed_call(self, packing: DSparkPacking, cache: DSparkPackedCache, **inputs):
+        """One target forward over packed tokens: the cache and the attention function see the rows apart; the aux
+        hidden states come back unpacked to (a, W, d)."""
         cache.packing = packing
         try:
-            outputs = self.target(input_ids=packing.pack(ids), attention_mask=self._round_mask(batch, packing, positions),
-                                  position_ids=packing.pack(positions), cache=cache, use_cache=True,
-                                  output_hidden_states=self.aux_layer_ids, dspark_packing=packing)
+            outputs = self.target(**inputs, cache=cache, use_cache=True, output_hidden_states=self.aux_layer_ids,
+                                  dspark_packing=packing, dspark_batch_round=True)
         finally:
             cache.packing = None
-        outputs.logits = packing.unpack(outputs.logits)
         outputs.hidden_states = tuple(None if h is None else packing.unpack(h) for h in outputs.hidden_states)
         return outputs
 

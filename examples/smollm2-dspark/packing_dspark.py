@@ -1,12 +1,16 @@
 # Copyright 2026 The dspark-hf authors. Licensed under the Apache License, Version 2.0.
-"""Packed verification: a batch round's target forward over only the tokens it verifies (design §4).
+"""Packed verification: a batch round's target forward over only the tokens it verifies (design §4), and the
+attention that every batch round and prefill runs.
 
 Remote-code file (imports only torch and transformers). The rows' anchors and verified drafts run end to end as one
 sequence (1, Σ_r (l_r + 1)); only attention sees the rows apart: `DSparkPackedCache` stores each layer's new keys and
 values in the rows' padded layout (a shorter row's extra columns are holes), and the wrapped SDPA attention function
-unpacks the queries, attends per row with the round's 4-D mask, and packs the output again. Serves any decoder on
-transformers' "sdpa" attention (`packs(target)`); others are verified padded. Sliding-window layers get masks of
-their own, from the rows' own positions (`windowed_masks`).
+unpacks the queries, attends per row with the round's 4-D mask, and packs the output again. A packed prefill (each
+prompt's own tokens) attends row by row instead, causal over the row's own keys. Every batch round, packed or
+padded, runs the query heads that share a key/value head as that head's queries (`_folded_heads`), as transformers
+does for plain decoding's single query. Serves any decoder on transformers' "sdpa" attention (`packs(target)`);
+others are verified padded. Sliding-window layers get masks of their own, from the rows' own positions
+(`windowed_masks`).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ PACKED_IMPLEMENTATION = "sdpa"  # the attention implementation whose registered 
 class DSparkPacking:
     """Where each verified token of a round sits: row `rows[i]`, slot `slots[i]` (slot 0 is the row's anchor)."""
 
-    def __init__(self, counts: torch.LongTensor):  # (a,) drafts verified per row
+    def __init__(self, counts: torch.LongTensor, rows_alone: bool = False):  # (a,) drafts verified per row
         self.num_rows, self.width = counts.shape[0], int(counts.max()) + 1
+        self.rows_alone = rows_alone  # a prefill: each row attends to its own tokens only (`_rows_alone`)
         slots = torch.arange(self.width, device=counts.device)
         self.valid = slots[None, :] <= counts[:, None]  # (a, W) the verified slots of each row
         self.rows, self.slots = self.valid.nonzero(as_tuple=True)  # (N,) each, row-major
@@ -34,6 +39,12 @@ class DSparkPacking:
     @property
     def num_tokens(self) -> int:
         return int(self.rows.shape[0])
+
+    def row_spans(self) -> list[tuple[int, int]]:
+        """(start, length) of each row's tokens among the packed ones."""
+        lengths = self.valid.sum(dim=1).tolist()
+        starts = [sum(lengths[:r]) for r in range(len(lengths))]
+        return list(zip(starts, lengths))
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """(a, W, ...) -> (1, N, ...)."""
@@ -87,28 +98,74 @@ class DSparkPackedCache(DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-def _packed_attention(original: Callable) -> Callable:
-    """`original` for every call, but for a packed round's (`dspark_packing` among the forward's kwargs): queries
-    (1, h, N, d) unpacked to (a, h, W, d) beside the rows' keys, the output (a, W, h, d) packed back to (1, N, h, d)."""
+class _OneKeyValueGroup:
+    """What transformers' SDPA function reads of an attention module, with one query head per key/value head: the
+    folded queries of `_folded_heads` need no copy of the keys and values."""
+
+    num_key_value_groups = 1
+
+    def __init__(self, module):
+        self.is_causal = getattr(module, "is_causal", True)
+
+
+def _folded_heads(original: Callable, module, query, key, value, attention_mask, *args, **kwargs):
+    """`original` with the query heads that share a key/value head run as that head's queries (b, kv, groups·q, d).
+    transformers folds them so for a single query (plain decoding); with several queries and a mask it copies every
+    key and value once per query head, which on a CPU costs a batch round more than its attention does."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    b, h, q, d = query.shape
+    if groups == 1 or q == 1 or attention_mask is None or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None:
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+    folded = query.reshape(b, h // groups, groups * q, d)
+    output, weights = original(_OneKeyValueGroup(module), folded, key, value, attention_mask.repeat(1, 1, groups, 1),
+                               *args, **kwargs)  # (b, groups·q, kv, d)
+    return output.transpose(1, 2).reshape(b, h, q, d).transpose(1, 2).contiguous(), weights
+
+
+def _rows_alone(original: Callable, module, query, key, value, packing: DSparkPacking, *args, **kwargs):
+    """A packed prefill: each row's queries (1, h, L_r, d) against its own L_r keys, causal and unmasked (an empty
+    cache before, full attention), instead of every row as long as the longest under a mask."""
+    outputs = [original(module, query[:, :, start : start + length], key[r : r + 1, :, :length],
+                        value[r : r + 1, :, :length], None, *args, **kwargs)[0]
+               for r, (start, length) in enumerate(packing.row_spans())]
+    return torch.cat(outputs, dim=1), None  # (1, N, h, d)
+
+
+def _batch_round_attention(original: Callable) -> Callable:
+    """`original` for every call but a DSpark batch round's (`dspark_batch_round` among the forward's kwargs): its
+    query heads folded (`_folded_heads`); packed (`dspark_packing`), the queries (1, h, N, d) unpacked to (a, h, W, d)
+    beside the rows' keys and the output (a, W, h, d) packed back to (1, N, h, d), or, a prefill, row by row."""
 
     @functools.wraps(original)
-    def attention(module, query, key, value, attention_mask, *args, dspark_packing: DSparkPacking | None = None, **kwargs):
+    def attention(module, query, key, value, attention_mask, *args, dspark_packing: DSparkPacking | None = None,
+                  dspark_batch_round: bool = False, **kwargs):
         if dspark_packing is None:
-            return original(module, query, key, value, attention_mask, *args, **kwargs)
-        output, weights = original(module, dspark_packing.unpack_heads(query), key, value, attention_mask, *args, **kwargs)
+            if not dspark_batch_round:
+                return original(module, query, key, value, attention_mask, *args, **kwargs)
+            return _folded_heads(original, module, query, key, value, attention_mask, *args, **kwargs)
+        if dspark_packing.rows_alone:
+            return _rows_alone(original, module, query, key, value, dspark_packing, *args, **kwargs)
+        output, weights = _folded_heads(original, module, dspark_packing.unpack_heads(query), key, value, attention_mask,
+                                        *args, **kwargs)
         return dspark_packing.pack(output), weights
 
     return attention
 
 
+ATTENTION_VERSION = 2  # 1: packing only (no version mark); 2: folded heads and row-by-row prefills
+
+
 def install_packed_attention():
-    """Wrap the registered SDPA attention once per process, whichever copy of this file comes first (idempotent: the
-    wrapper is marked, and a copy finding it marked leaves it); calls without `dspark_packing` are untouched."""
-    original = ALL_ATTENTION_FUNCTIONS[PACKED_IMPLEMENTATION]
-    if not getattr(original, "_dspark_packing", False):
-        wrapper = _packed_attention(original)
-        wrapper._dspark_packing = True
-        AttentionInterface.register(PACKED_IMPLEMENTATION, wrapper)
+    """Wrap the registered SDPA attention once per process (idempotent): a copy of this file finding the newest
+    wrapper leaves it, one finding an older copy's (`_dspark_packing` without this version) wraps what that one
+    wrapped. Calls without DSpark's kwargs are untouched."""
+    installed = ALL_ATTENTION_FUNCTIONS[PACKED_IMPLEMENTATION]
+    if getattr(installed, "_dspark_attention_version", 0) >= ATTENTION_VERSION:
+        return
+    original = installed.__wrapped__ if getattr(installed, "_dspark_packing", False) else installed
+    wrapper = _batch_round_attention(original)
+    wrapper._dspark_packing, wrapper._dspark_attention_version = True, ATTENTION_VERSION
+    AttentionInterface.register(PACKED_IMPLEMENTATION, wrapper)
 
 
 def packs(target: PreTrainedModel, cache) -> bool:
