@@ -40,11 +40,11 @@ class DSparkPacking:
     def num_tokens(self) -> int:
         return int(self.rows.shape[0])
 
+    @functools.cached_property
     def row_spans(self) -> list[tuple[int, int]]:
-        """(start, length) of each row's tokens among the packed ones."""
-        lengths = self.valid.sum(dim=1).tolist()
-        starts = [sum(lengths[:r]) for r in range(len(lengths))]
-        return list(zip(starts, lengths))
+        """(start, length) of each row's tokens among the packed ones (read by every layer of a prefill: kept)."""
+        lengths = self.valid.sum(dim=1)
+        return list(zip((lengths.cumsum(0) - lengths).tolist(), lengths.tolist()))
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """(a, W, ...) -> (1, N, ...)."""
@@ -127,7 +127,7 @@ def _rows_alone(original: Callable, module, query, key, value, packing: DSparkPa
     cache before, full attention), instead of every row as long as the longest under a mask."""
     outputs = [original(module, query[:, :, start : start + length], key[r : r + 1, :, :length],
                         value[r : r + 1, :, :length], None, *args, **kwargs)[0]
-               for r, (start, length) in enumerate(packing.row_spans())]
+               for r, (start, length) in enumerate(packing.row_spans)]
     return torch.cat(outputs, dim=1), None  # (1, N, h, d)
 
 
