@@ -114,10 +114,11 @@ class DSparkBatchGeneration:
         if cache is not None and cache.get_seq_length() > 0:
             raise ValueError("DSpark batched speculation starts from an empty cache; drop the `cache` you passed.")
         cache = self._new_cache()
-        self.packed = self.settings.packed_verification and packs(self.target, cache)
+        can_pack = packs(self.target, cache)
+        self.packed = self.settings.packed_verification and can_pack
         self.schedule.packed = self.stats.packed = self.packed
         self.stats.prefill_padded_tokens = self.stats.prefill_tokens = input_ids.numel()
-        if packs(self.target, cache) and not bool(mask.all()):
+        if can_pack and not bool(mask.all()):
             outputs, mask, positions = self._packed_prefill(input_ids, mask, cache)
             self.stats.prefill_tokens = int(mask.sum())
         else:
