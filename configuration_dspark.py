@@ -48,21 +48,10 @@ from transformers import PreTrainedConfig, PreTrainedModel  # noqa: E402
 # The remote-code files, written once: each checkpoint carries all of them (`save_pretrained` copies every file that
 # `drafting_dspark.py` imports; `make sync-remote-code` and the wheel build read this list).
 REMOTE_CODE_FILES = (
-    "configuration_dspark.py",
-    "drafting_dspark.py",
-    "modeling_dspark.py",
-    "heads_dspark.py",
-    "context_cache_dspark.py",
-    "token_choice_dspark.py",
-    "generation_dspark.py",
-    "settings_dspark.py",
-    "batching_dspark.py",
-    "batch_rows_dspark.py",
-    "packing_dspark.py",
-    "routing_dspark.py",
-    "scheduling_dspark.py",
-    "profiling_dspark.py",
-    "live_profiling_dspark.py",
+    "configuration_dspark.py", "drafting_dspark.py", "modeling_dspark.py", "heads_dspark.py",
+    "context_cache_dspark.py", "token_choice_dspark.py", "generation_dspark.py", "settings_dspark.py",
+    "batching_dspark.py", "batch_rows_dspark.py", "packing_dspark.py", "routing_dspark.py", "scheduling_dspark.py",
+    "profiling_dspark.py", "live_profiling_dspark.py",
 )
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -372,7 +361,5 @@ def adopt_special_tokens(config: DSparkConfig, target: PreTrainedModel, overwrit
             setattr(config, name, getattr(text_config, name, None))
 
 
-__all__ = [
-    "DSparkConfig", "MARKOV_HEAD_TYPES", "PRESETS", "REMOTE_CODE_FILES", "SPECIAL_TOKEN_FIELDS", "TRANSFORMERS_RANGE",
-    "adopt_special_tokens", "check_target_compatibility", "check_transformers_version",
-]
+__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "PRESETS", "REMOTE_CODE_FILES", "SPECIAL_TOKEN_FIELDS",
+           "TRANSFORMERS_RANGE", "adopt_special_tokens", "check_target_compatibility", "check_transformers_version"]

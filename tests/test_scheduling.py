@@ -588,6 +588,29 @@ def test_sampling_with_prompt_lookup_matches_plain_sampling():
     assert verified > 100  # lookup drafts were verified hundreds of times
 
 
+def test_sampling_weighs_lookup_against_the_drafter_by_nothing_its_drafts_decide():
+    """When sampling, whether the drafter's block is kept against lookup drafts may read a_1 = c_1 only: c_{n+1} reads
+    x_n, so keeping the block by its later survivals would keep x_n by its own value (x_n no longer a draw from q;
+    speculative sampling then drifts: χ² p = 2e-4 over 3,600 samples of a drafter built for it, 0.23 after). Greedy
+    decoding, exact for any proposal, may read every survival."""
+    from transformers import GenerationConfig
+
+    target = make_tiny_target("llama")
+    drafter = lookup_drafter(target, [1.0] * 6)  # every round costs the same: rates are expected tokens
+    prompt = torch.tensor([[1, 2, 3, 1, 2]])  # its last 2-gram occurred before: lookup proposes [3, 1]
+    chose_lookup = {}
+    for do_sample in (False, True):
+        config = GenerationConfig(do_sample=do_sample, max_length=20, num_beams=1, num_return_sequences=1)
+        generator = generation_dspark.DSparkCandidateGenerator(drafter, target, prompt, config)
+        generator.lookup.counts = {n: [0.2e6, 1e6] for n in generator.lookup.counts}  # ℓ = 0.2: 1 + 0.2 + 0.04
+        for a_2 in (0.15, 0.0225):  # the drafter's block promises 1 + 0.15 + a_2
+            generator.schedule.survivals, generator._last_drafted, generator._lookup_ngram = [[0.15], [a_2]], 2, 0
+            generator._prefer_lookup(prompt, 2, True, torch.cat([prompt, torch.tensor([[4, 5]])], dim=1), None)
+            chose_lookup[do_sample, a_2] = generator._lookup_ngram > 0
+    assert chose_lookup[False, 0.15] is False and chose_lookup[False, 0.0225] is True  # greedy: a_2 decides
+    assert chose_lookup[True, 0.15] == chose_lookup[True, 0.0225]  # sampling: a_2 (it reads x_1) does not
+
+
 def test_lookup_knob_must_be_an_ngram_size():
     target = make_tiny_target("llama")
     drafter = scheduled_drafter(target, [1.0] * 6)

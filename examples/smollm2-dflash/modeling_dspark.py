@@ -645,12 +645,5 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
 
 
-__all__ = [
-    "DSparkContextCache",
-    "DSparkDraftModel",
-    "DSparkDraftOutput",
-    "DSparkPreTrainedModel",
-    "DSparkTrainingOutput",
-    "check_checkpoint_shapes",
-    "expected_tensor_shapes",
-]
+__all__ = ["DSparkContextCache", "DSparkDraftModel", "DSparkDraftOutput", "DSparkPreTrainedModel",
+           "DSparkTrainingOutput", "check_checkpoint_shapes", "expected_tensor_shapes"]

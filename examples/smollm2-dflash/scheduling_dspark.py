@@ -8,7 +8,7 @@ interface serves both drivers (one row is a batch of one): `start`/`admit`/`fini
 many of the drafted positions each row verifies), `should_skip` (the drafter rests this round) and `observe_round`
 (what the round did, learned from where the schedule learns). The simple schedules' hooks do nothing.
 
-Reading order: the interface and the fixed schedule → threshold → verify cost → the hardware-aware schedule (the
+Reading order: the interface and the fixed schedule → threshold and verify cost → the hardware-aware schedule (the
 DSpark paper's scheduler, priced by a round-cost model of `live_profiling_dspark.py`) → choosing a schedule → the
 drafter back-off → prompt-lookup drafts.
 """
@@ -69,28 +69,15 @@ class DSparkDraftSchedule:
         return None
 
 
-class DSparkThresholdSchedule(DSparkDraftSchedule):
-    """Draft position n while some row's survival a_{r,n} stays at or above `threshold` (None: no threshold)."""
-
-    def __init__(self, threshold: float | None):
-        self.threshold = -math.inf if threshold is None else threshold
-
-    def admit(self, confidences: torch.Tensor) -> bool:
-        survival = self._next_survival(confidences.double().tolist())
-        if max(survival) < self.threshold:
-            return False
-        self.survivals.append(survival)
-        return True
-
-
-class DSparkVerifyCostSchedule(DSparkThresholdSchedule):
-    """Draft position n only while it raises the expected committed tokens per unit of verify cost: with E = Σ_rows
-    (1 + Σ a_{r,i}) over the admitted positions and C = 1 + verify_cost · (positions admitted), admit n when
+class DSparkConfidenceSchedule(DSparkDraftSchedule):
+    """Draft position n while some row's survival a_{r,n} stays at or above `threshold` (None: no threshold) and, with
+    a `verify_cost`, while it raises the expected committed tokens per unit of verify cost: with E = Σ_rows (1 + Σ
+    a_{r,i}) over the admitted positions and C = 1 + verify_cost · (positions admitted), admit n when
     (E + Σ_r a_{r,n}) / (C + verify_cost) > E / C. `verify_cost` is one more verified token per row relative to a
-    whole verify pass; an optional survival `threshold` is applied first."""
+    whole verify pass."""
 
-    def __init__(self, verify_cost: float, threshold: float | None = None):
-        super().__init__(threshold)
+    def __init__(self, threshold: float | None = None, verify_cost: float | None = None):
+        self.threshold = -math.inf if threshold is None else threshold
         self.verify_cost = verify_cost
 
     def start(self) -> None:
@@ -98,23 +85,23 @@ class DSparkVerifyCostSchedule(DSparkThresholdSchedule):
         self.expected, self.cost = float(self.batch_size), 1.0
 
     def admit(self, confidences: torch.Tensor) -> bool:
-        if not super().admit(confidences):
+        survival = self._next_survival(confidences.double().tolist())
+        if max(survival) < self.threshold:
             return False
-        gained = sum(self.survivals[-1])
-        if (self.expected + gained) / (self.cost + self.verify_cost) <= self.expected / self.cost:
-            self.survivals.pop()
-            return False
-        self.expected, self.cost = self.expected + gained, self.cost + self.verify_cost
+        if self.verify_cost is not None:
+            gained = sum(survival)
+            if (self.expected + gained) / (self.cost + self.verify_cost) <= self.expected / self.cost:
+                return False
+            self.expected, self.cost = self.expected + gained, self.cost + self.verify_cost
+        self.survivals.append(survival)
         return True
 
 
 def draft_schedule(confidence_threshold: float | None = None, verify_cost: float | None = None) -> DSparkDraftSchedule:
     """The schedule that the `confidence_threshold` / `verify_cost` settings describe (fixed length if neither)."""
-    if verify_cost is not None:
-        return DSparkVerifyCostSchedule(verify_cost, confidence_threshold)
-    if confidence_threshold is not None:
-        return DSparkThresholdSchedule(confidence_threshold)
-    return DSparkDraftSchedule()
+    if confidence_threshold is None and verify_cost is None:
+        return DSparkDraftSchedule()
+    return DSparkConfidenceSchedule(confidence_threshold, verify_cost)
 
 
 class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
@@ -355,13 +342,5 @@ class DSparkPromptLookup:
         self.counts[ngram][1] += min(num_drafted, num_accepted + 1)
 
 
-__all__ = [
-    "DSparkDraftSchedule",
-    "DSparkDrafterBackoff",
-    "DSparkHardwareAwareSchedule",
-    "DSparkPromptLookup",
-    "DSparkThresholdSchedule",
-    "DSparkVerifyCostSchedule",
-    "draft_schedule",
-    "make_schedule",
-]
+__all__ = ["DSparkConfidenceSchedule", "DSparkDraftSchedule", "DSparkDrafterBackoff", "DSparkHardwareAwareSchedule",
+           "DSparkPromptLookup", "draft_schedule", "make_schedule"]

@@ -214,11 +214,5 @@ class DSparkDraftingState:
         return DSparkBatchCosts(self.batch_verify_profile_for(target, max_drafts), live)
 
 
-__all__ = [
-    "DEFAULT_DRAFTING",
-    "DSparkDraftingSettings",
-    "DSparkDraftingState",
-    "default_drafting_config",
-    "prepare_drafter",
-    "with_default_drafting",
-]
+__all__ = ["DEFAULT_DRAFTING", "DSparkDraftingSettings", "DSparkDraftingState", "default_drafting_config",
+           "prepare_drafter", "with_default_drafting"]

@@ -193,11 +193,8 @@ class DSparkBatchGeneration:
         accepted, bonus = self._accept(batch, drafts, counts, logits)
         self._keep_scores(batch.rows, logits, raw, accepted)
         verified_s = time.perf_counter() - started - drafted_s
-        price = self.schedule.price_of(counts, self.drafter_ran)  # before the schedule learns from this round
-        self.stats.record_price(bool(counts.any()), price, drafted_s + verified_s)
-        self.stats.record_calibration(self.schedule.observe_round(counts, accepted, self.drafter_ran, drafted_s,
-                                                                  verified_s))
-        self._record(counts, accepted, drafted_s, verified_s)
+        self.stats.record_round(self.schedule, counts, accepted, self.drafter_ran, drafted_s, verified_s)
+        self._record(counts, drafted_s, verified_s)
         self._advance(batch, drafts.token_ids, counts, accepted, bonus, outputs)
 
     def _room(self, batch: DSparkBatchRows) -> torch.LongTensor:
@@ -392,14 +389,12 @@ class DSparkBatchGeneration:
             return True
         return None not in self.stopped_at and self.ids.new_tokens(row) >= max(self.stopped_at)
 
-    def _record(self, counts, accepted, draft_s: float, verify_s: float):
+    def _record(self, counts, draft_s: float, verify_s: float):
         width = int(counts.max()) if counts.numel() else 0
         self.stats.widths.append(width)
         self.stats.round_rows.append(int(counts.numel()))
         # tokens through the target's layers: each row's anchor and drafts, or every row padded to the widest
         self.stats.verified_tokens.append(int((counts + 1).sum()) if self.packed else counts.numel() * (width + 1))
-        self.stats.drafted += counts.tolist()
-        self.stats.accepted += accepted.tolist()
         self.stats.draft_time_s += draft_s
         self.stats.verify_time_s += verify_s
 

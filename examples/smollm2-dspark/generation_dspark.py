@@ -70,17 +70,22 @@ class DSparkGenerationStats:
         """Tokens committed per verify round, bonus included (τ measured live)."""
         return 1.0 + sum(self.accepted) / max(self.rounds, 1)
 
-    def record_price(self, drafted: bool, price: float | None, took: float) -> None:
-        """A round the schedule priced (None: it prices nothing, or this round was none it chooses)."""
+    def record_round(self, schedule, counts: torch.Tensor, accepted: torch.Tensor, drafter_ran: bool,
+                     draft_s: float | None, verify_s: float, recalibrate: bool = True) -> tuple[float, int, int] | None:
+        """One verify round, the drafts each row verified and accepted (rows,): its price as the schedule set it before
+        the round (`round_prices`), then what the schedule learned from it (returned: Σ the predicted survival of the
+        drafts verification reached, how many were accepted, how many; None where it learns nothing)."""
+        self.drafted += counts.tolist()
+        self.accepted += accepted.tolist()
+        price = schedule.price_of(counts, drafter_ran)
         if price is not None:
-            self.round_prices.append((drafted, price, took))
-
-    def record_calibration(self, outcome: tuple[float, int, int] | None) -> None:
-        """The drafts verification reached in a round: Σ their predicted survival, how many were accepted, how many."""
+            self.round_prices.append((bool(counts.any()), price, (draft_s or 0.0) + verify_s))
+        outcome = schedule.observe_round(counts, accepted, drafter_ran, draft_s, verify_s, recalibrate=recalibrate)
         if outcome is not None:
             self.confidence_predicted += outcome[0]
             self.confidence_observed += outcome[1]
             self.confidence_verified += outcome[2]
+        return outcome
 
     def acceptance_cumulative(self) -> list[float]:
         """P(drafts 1..k all accepted) over rounds that proposed at least k drafts."""
@@ -293,8 +298,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if not ngram:
             return candidates, candidate_logits
         k, rate = self.schedule.best_plan(self.lookup.survivals(ngram, tokens.shape[0]), drafter_ran)
-        own = [row[0] for row in self.schedule.survivals[: self._last_drafted]] if drafter_ran else []
-        own = self.schedule.best_plan(own, drafter_ran)
+        own = self.schedule.best_plan(self._own_survivals(budget) if drafter_ran else [], drafter_ran)
         if k == 0 or rate <= own[1]:
             return candidates, candidate_logits
         self._end_round_at(self.max_length)  # undo a stop cut of the drafter's block
@@ -304,6 +308,16 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return torch.cat([input_ids, tokens], dim=-1), None
         one_hot = torch.full((1, tokens.shape[1], self.drafter.config.vocab_size), -math.inf, device=input_ids.device)
         return torch.cat([input_ids, tokens], dim=-1), one_hot.scatter_(-1, tokens[..., None], 0.0)
+
+    def _own_survivals(self, budget: int) -> list[float]:
+        """The drafter's survivals a_1, a_2, ... that the choice against lookup may read. Greedy: every draft's. When
+        sampling, only a_1 = c_1 (projected as a_1^n), which no draft decides: c_{n+1} reads x_n, so keeping the
+        drafter's block by its later survivals would keep x_n by its own value, and x_n would no longer be a draw
+        from q (speculative sampling would then drift from the target's distribution)."""
+        survivals = [row[0] for row in self.schedule.survivals[: self._last_drafted]]
+        if not self.do_sample or not survivals:
+            return survivals
+        return [survivals[0] ** n for n in range(1, budget + 1)]
 
     def get_candidates(
         self,
@@ -341,17 +355,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
         elapsed = time.perf_counter() - self._verify_started if self._verify_started is not None else 0.0
         self.stats.verify_time_s += elapsed
         if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
-            self.stats.drafted.append(self._last_drafted)
-            self.stats.accepted.append(int(num_matches))
             counts, accepted = torch.tensor([self._last_drafted]), torch.tensor([int(num_matches)])
-            price = self.schedule.price_of(counts, self._drafter_ran)
-            self.stats.record_price(self._last_drafted > 0, price, (self._draft_s or 0.0) + elapsed)
-            outcome = self.schedule.observe_round(counts, accepted, self._drafter_ran, self._draft_s, elapsed,
-                                                  recalibrate=not self._lookup_ngram)
+            outcome = self.stats.record_round(self.schedule, counts, accepted, self._drafter_ran, self._draft_s, elapsed,
+                                              recalibrate=not self._lookup_ngram)
             if self._lookup_ngram:
                 self._learn_lookup(int(num_matches))
             elif outcome is not None:  # keep the schedule's bias on the drafter for the next call
-                self.stats.record_calibration(outcome)
                 self.state.confidence_bias[self.bias_key] = self.schedule.bias
         self._prefilled = True
 
@@ -362,9 +371,4 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats.lookup_accepted += min(num_accepted, self._last_drafted)
 
 
-__all__ = [
-    "DSparkCandidateGenerator",
-    "DSparkGenerationStats",
-    "check_generation_limits",
-    "decoding_key",
-]
+__all__ = ["DSparkCandidateGenerator", "DSparkGenerationStats", "check_generation_limits", "decoding_key"]

@@ -117,10 +117,38 @@ def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
     return ys[-1]
 
 
+class _DSparkTimings:
+    """A stored table of verify seconds, `verify_time_s[i][j]` with a spread each, one row per entry of the axis
+    `AXIS`, written as JSON under the format `FORMAT`."""
+
+    FORMAT = AXIS = ""
+
+    @property
+    def num_columns(self) -> int:
+        return len(self.verify_time_s[0])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": self.FORMAT, **{name: getattr(self, name) for name in self.__dataclass_fields__}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        """Raises ValueError on anything that is not a well-formed table of this kind."""
+        if not isinstance(data, dict) or data.get("format") != cls.FORMAT:
+            raise ValueError(f"not a {cls.FORMAT} profile")
+        profile = cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
+        axis, rows = getattr(profile, cls.AXIS), profile.verify_time_s + profile.spread_s
+        if (not axis or len(profile.verify_time_s) != len(axis) or len(profile.spread_s) != len(axis)
+                or len({len(row) for row in rows}) != 1 or len(rows[0]) != profile.num_columns
+                or not all(isinstance(t, (int, float)) and t >= 0 for row in rows for t in row)):
+            raise ValueError("malformed timings")
+        return profile
+
+
 @dataclass
-class DSparkVerifyProfile:
+class DSparkVerifyProfile(_DSparkTimings):
     """t(k): seconds of one verify pass over k drafts (a forward of k+1 tokens on a cached context), per context."""
 
+    FORMAT, AXIS = PROFILE_FORMAT, "context_lengths"
     key: dict[str, str]
     context_lengths: list[int]
     verify_time_s: list[list[float]]  # [context][k] median over repeats
@@ -135,28 +163,6 @@ class DSparkVerifyProfile:
     def verify_time(self, num_drafts: int, context_length: int) -> float:
         """t(k) at this context length: linear between measured lengths, the nearest one outside them."""
         return _interpolate(self.context_lengths, [row[num_drafts] for row in self.verify_time_s], context_length)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"format": PROFILE_FORMAT, **{name: getattr(self, name) for name in self.__dataclass_fields__}}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DSparkVerifyProfile":
-        """Raises ValueError on anything that is not a well-formed profile."""
-        if not isinstance(data, dict) or not str(data.get("format", "")).startswith(PROFILE_FORMAT.split("/")[0]):
-            raise ValueError("not a DSpark verify profile")
-        if data["format"] != PROFILE_FORMAT:
-            raise ValueError(f"format {data['format']}, this DSpark reads {PROFILE_FORMAT}")
-        profile = cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
-        rows = profile.verify_time_s + profile.spread_s
-        if (
-            not profile.context_lengths
-            or len(profile.verify_time_s) != len(profile.context_lengths)
-            or len(profile.spread_s) != len(profile.context_lengths)
-            or len({len(row) for row in rows}) != 1
-            or not all(isinstance(t, (int, float)) and t >= 0 for row in rows for t in row)
-        ):
-            raise ValueError("malformed timings")
-        return profile
 
 
 def _read_stored_profile(path: str, key: dict[str, str], kind: type = DSparkVerifyProfile):
@@ -227,9 +233,10 @@ PRIOR_TOKEN_SLOPES = {"bf16 native": 0.02, "fp32": 0.04, "half emulated": 0.4, "
 
 
 @dataclass
-class DSparkBatchVerifyProfile:
+class DSparkBatchVerifyProfile(_DSparkTimings):
     """t(B, w): seconds of one verify pass over w drafts for each of B rows (a forward of B × (w + 1) tokens)."""
 
+    FORMAT, AXIS = BATCH_PROFILE_FORMAT, "batch_sizes"
     key: dict[str, str]
     batch_sizes: list[int]
     widths: list[int]
@@ -250,20 +257,9 @@ class DSparkBatchVerifyProfile:
             return by_size[-1] * batch_size / self.batch_sizes[-1]
         return _interpolate(self.batch_sizes, by_size, batch_size)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"format": BATCH_PROFILE_FORMAT, **{name: getattr(self, name) for name in self.__dataclass_fields__}}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DSparkBatchVerifyProfile":
-        """Raises ValueError on anything that is not a well-formed batch profile."""
-        if not isinstance(data, dict) or data.get("format") != BATCH_PROFILE_FORMAT:
-            raise ValueError(f"not a {BATCH_PROFILE_FORMAT} profile")
-        profile = cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
-        rows = profile.verify_time_s + profile.spread_s
-        if (not profile.batch_sizes or len(profile.verify_time_s) != len(profile.batch_sizes)
-                or {len(row) for row in rows} != {len(profile.widths)} or not all(t >= 0 for row in rows for t in row)):
-            raise ValueError("malformed timings")
-        return profile
+    @property
+    def num_columns(self) -> int:
+        return len(self.widths)
 
 
 def batch_profile_key(target: PreTrainedModel) -> dict[str, str]:
@@ -302,13 +298,5 @@ def prior_batch_verify_profile(key: dict[str, str], max_drafts: int) -> DSparkBa
                                     [[0.0] * len(widths) for _ in times])
 
 
-__all__ = [
-    "DSparkBatchVerifyProfile",
-    "DSparkVerifyProfile",
-    "batch_verify_profile",
-    "drafter_dtype_path",
-    "store_verify_profile",
-    "stored_drafter_dtype",
-    "verify_profile_key",
-    "verify_profile_path",
-]
+__all__ = ["DSparkBatchVerifyProfile", "DSparkVerifyProfile", "batch_verify_profile", "drafter_dtype_path",
+           "store_verify_profile", "stored_drafter_dtype", "verify_profile_key", "verify_profile_path"]
