@@ -20,7 +20,7 @@ from test_scheduling import drafted
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from dspark_hf.remote_code import batch_rows_dspark, batching_dspark, profiling_dspark, scheduling_dspark
-from dspark_hf.remote_code.live_profiling_dspark import DSparkBatchCosts, DSparkBatchRoundCosts
+from dspark_hf.remote_code.live_profiling_dspark import DSparkLiveVerifyProfile, DSparkRoundCosts
 from dspark_hf.remote_code.profiling_dspark import DSparkBatchVerifyProfile
 
 PROMPTS = [[1, 17, 42, 9], [1, 5, 5, 5, 60, 61, 62, 30, 11], [1, 88, 3, 77, 14, 50], [1, 30], [1, 7, 7, 7, 7, 7, 7],
@@ -283,7 +283,8 @@ def batch_profile(slope: float, sizes=(1, 4, 16), widths=(0, 1, 3, 7)) -> DSpark
 
 def hardware_width(profile: DSparkBatchVerifyProfile, lookahead: bool = False):
     """The hardware-aware schedule of a batch, priced by this batch profile."""
-    return scheduling_dspark.DSparkHardwareAwareSchedule(DSparkBatchCosts(profile), 7, lookahead=lookahead)
+    live = DSparkLiveVerifyProfile({"target": "synthetic"}, 7, batch_prior=profile)
+    return scheduling_dspark.DSparkHardwareAwareSchedule(DSparkRoundCosts(live), 7, lookahead=lookahead)
 
 
 def chosen_width(schedule, confidences: list[torch.Tensor]) -> int:
@@ -321,18 +322,18 @@ def test_hardware_width_grows_with_the_rows_survivals():
 
 
 def test_live_costs_take_their_level_from_the_first_pass_and_price_an_untried_batch_size_by_its_neighbour():
-    """A prior profile is unitless: the first verify pass sets the level at once (not a running mean from 1 s). A
-    batch size that has only stepped plainly prices drafted rounds with the drafted / plain ratio of the nearest
-    batch size that did both, so a row leaving never makes drafting look many times dearer than it is."""
-    live = DSparkBatchRoundCosts()
-    live.observe_verify(0.05, 2.0)
-    assert live.scale == pytest.approx(0.025)
-    live.observe_round(4, False, 0.05, 0.05)
-    live.observe_round(4, True, 0.09, 0.06)
-    live.observe_round(8, False, 0.08, 0.1)
-    assert live.factor(8, False) == pytest.approx(0.8)
-    assert live.factor(8, True) == pytest.approx(0.8 * 1.5)
-    assert live.factor(32, False) == 1.0 and DSparkBatchCosts(batch_profile(0.0), live).needs_plain_step(32)
+    """A prior profile is unitless: the first verify pass of a batch size sets its level at once (not a running mean
+    from 1 s). A batch size that has only stepped plainly prices drafted rounds with the drafted / plain ratio of the
+    nearest batch size that did both, so a row leaving never makes drafting look many times dearer than it is."""
+    live = DSparkLiveVerifyProfile({"target": "synthetic"}, 7, batch_prior=batch_profile(0.0))
+    live.observe(0, 64, 0.05, rows=4)
+    assert live.ratio(0, 4) == pytest.approx(0.05 / 2.0)  # seconds per unit of the shape, t(4, 0) = 2
+    live.observe(3, 64, 0.075, rows=4)
+    live.observe(0, 64, 0.08, rows=8)
+    assert live.verify_time(0, 64, 8) == pytest.approx(0.08)
+    assert live.verify_time(3, 64, 8) == pytest.approx(0.08 * 1.5)
+    assert DSparkRoundCosts(live).needs_plain_step(32) and not DSparkRoundCosts(live).needs_plain_step(8)
+    assert not DSparkRoundCosts(live).needs_plain_step(1)  # one row drafts from its first round
 
 
 def test_prior_batch_profile_prices_a_token_by_device_and_dtype():
@@ -362,16 +363,20 @@ def test_a_noisy_stored_batch_profile_gives_way_to_the_prior(tmp_path, monkeypat
     assert profiling_dspark.batch_verify_profile(target, 7).verify_time_s != measured.verify_time_s
 
 
-def test_hardware_width_probes_again_when_a_row_leaves():
-    """The back-off after plain steps belongs to one batch size: when a row finishes, what pays has changed."""
+def test_hardware_width_probes_again_when_half_the_rows_have_left():
+    """The back-off after plain steps belongs to a batch: one row finishing changes little of what pays, so the
+    drafter rests on; once half the rows have left, it probes again."""
     schedule = hardware_width(batch_profile(3.0))
-    for size in (8, 7):
-        schedule.costs.live.observe_round(size, False, 1.0, 1.0)
+    for size in (8, 7, 4):
+        schedule.costs.profile.observe(0, 64, 1.0, rows=size)
     schedule.batch_size = 8
     schedule.should_skip()
-    assert chosen_width(schedule, [torch.full((8,), 0.9)] * 7) == 0 and schedule.should_skip()
+    for _ in range(2):  # two rounds that drafted nothing: the drafter rests two rounds
+        assert chosen_width(schedule, [torch.full((8,), 0.9)] * 7) == 0
     schedule.batch_size = 7
-    assert not schedule.should_skip()
+    assert schedule.should_skip()  # one row gone: it rests on
+    schedule.batch_size = 4
+    assert not schedule.should_skip()  # half gone: a probe
 
 
 def test_threshold_and_verify_cost_widths_follow_the_rows():
@@ -504,7 +509,7 @@ def test_row_lengths_rank_candidates_by_survival_and_sampling_decides_left_to_ri
     def lengths_for(confidences: list[list[float]], lookahead: bool) -> torch.Tensor:
         schedule = hardware_width(profile, lookahead=lookahead)
         schedule.packed, schedule.batch_size = True, 3
-        schedule.costs.live.factors = {(3, False): 1.0, (3, True): 1.0}
+        schedule.costs.profile.observe(0, 64, profile.verify_time(3, 0), rows=3)  # priced as the profile says
         schedule.start()
         schedule.survivals = torch.tensor(confidences, dtype=torch.float64).cumprod(dim=0).tolist()  # per position
         return schedule.row_lengths(len(confidences), 3)

@@ -32,7 +32,7 @@ from dspark_hf.remote_code.profiling_dspark import (
     verify_profile_key,
     verify_profile_path,
 )
-from dspark_hf.remote_code.live_profiling_dspark import DSparkRowCosts
+from dspark_hf.remote_code.live_profiling_dspark import DSparkRoundCosts
 from dspark_hf.remote_code.scheduling_dspark import (
     DSparkDrafterBackoff,
     DSparkHardwareAwareSchedule,
@@ -58,12 +58,24 @@ def linear_profile(slope: float, max_drafts: int = 7, **kwargs) -> DSparkVerifyP
 
 def live(profile: DSparkVerifyProfile) -> DSparkLiveVerifyProfile:
     """A measured profile as the shape of a live one (what `make_schedule` hands a schedule), kept in memory."""
-    return DSparkLiveVerifyProfile.fresh(profile.key, profile.max_drafts, profile, None)
+    return DSparkLiveVerifyProfile(profile.key, profile.max_drafts, profile)
 
 
 def row_schedule(profile: DSparkLiveVerifyProfile, draft_time_s: float | None = None, **kwargs):
     """The hardware-aware schedule of one row, priced by this live profile and a drafter time."""
-    return DSparkHardwareAwareSchedule(DSparkRowCosts(profile, draft_time_s), **kwargs)
+    return DSparkHardwareAwareSchedule(DSparkRoundCosts(profile, draft_time_s), **kwargs)
+
+
+def pinned_draft_time(seconds: float):
+    """`DSparkRoundCosts.observe` with one row's drafter time pinned at `seconds`: what else it learns is learned as
+    ever (a batch's drafter time and verify passes; one row's passes are priced as its profile says when one is set)."""
+    original = DSparkRoundCosts.observe
+
+    def observe(self, width, rows, context_length, drafter_ran, draft_s, verify_s):
+        original(self, width, rows, context_length, drafter_ran, draft_s, verify_s)
+        if rows == 1:
+            self.draft_time_s[1] = seconds
+    return observe
 
 
 def observe(schedule, num_drafted: int, num_accepted: int, verify_s: float = 1.0, draft_s: float | None = None,
@@ -164,7 +176,7 @@ def test_schedule_follows_the_context_length_and_the_live_verify_speed():
     schedule.context_length = 16
     for _ in range(40):  # the drafter's own time per round grows to half a profiled step: still worth it
         observe(schedule, 0, 0, draft_s=0.5)
-    assert schedule.costs.draft_time_s == pytest.approx(0.5, rel=1e-2)
+    assert schedule.costs.draft_time_s[1] == pytest.approx(0.5, rel=1e-2)
     assert drafted(schedule, [0.8] * 7) == 7
     for _ in range(40):  # verify passes now run 10× faster than profiled: the same drafter time weighs 10× more
         observe(schedule, 0, 0, verify_s=0.1, drafter_ran=False)
@@ -303,7 +315,7 @@ def test_every_priced_round_is_reported_with_what_it_took(monkeypatch):
     refused are not priced (the schedule never chooses them). `eval`/`bench` report the medians of priced / took."""
     from dspark_hf.evaluation import live_acceptance
 
-    monkeypatch.setattr(DSparkRowCosts, "observe", lambda self, *args: setattr(self, "draft_time_s", 0.25))
+    monkeypatch.setattr(DSparkRoundCosts, "observe", pinned_draft_time(0.25))
     target = make_tiny_target("llama")
     drafter = scheduled_drafter(target, [1.0 + 0.05 * k for k in range(6)])
     greedy(target, PROMPTS[0], max_new_tokens=16, eos_token_id=None, assistant_model=drafter)
@@ -353,7 +365,7 @@ def test_greedy_lookahead_proposes_fewer_than_it_drafted_and_stays_token_identic
     monkeypatch.setattr(DSparkHardwareAwareSchedule, "finish", finish)
     # the costs are the profile's and a fixed draft time, not the live timings, so the choices depend on the
     # confidences alone, not on how busy the machine is
-    monkeypatch.setattr(DSparkRowCosts, "observe", lambda self, *args: setattr(self, "draft_time_s", DRAFT_TIME_S))
+    monkeypatch.setattr(DSparkRoundCosts, "observe", pinned_draft_time(DRAFT_TIME_S))
     for prompt in PROMPTS:
         expected = greedy(target, prompt, max_new_tokens=24, eos_token_id=None)
         assert torch.equal(greedy(target, prompt, max_new_tokens=24, eos_token_id=None, assistant_model=drafter), expected)
@@ -655,12 +667,12 @@ def test_first_call_measures_nothing_learns_from_its_rounds_and_the_next_process
         assert torch.equal(greedy(target, prompt, max_new_tokens=24, eos_token_id=None, assistant_model=drafter), expected)
     assert profile_home == []  # nothing measured on the call
     live = drafter.drafting_state.live_verify_profile
-    assert sum(live.counts) > 0
-    assert live.prior is None and not live.noisy
+    assert sum(live.counts[1]) > 0
+    assert live.prior is None and not live.noisy()
     path = Path(verify_profile_path({**verify_profile_key(target), "axis": "live"}))
     assert path.is_file()
     again = live_profiling_dspark.live_verify_profile(target, live.max_drafts)  # a new process starts where this one was
-    assert again.counts == live.counts and again.ratios == pytest.approx(live.ratios)
+    assert again.counts == live.counts and again.ratios[1] == pytest.approx(live.ratios[1])
 
 
 def test_a_stored_measured_profile_shapes_the_live_one_and_live_rounds_correct_it(profile_home):
@@ -668,12 +680,12 @@ def test_a_stored_measured_profile_shapes_the_live_one_and_live_rounds_correct_i
     key = verify_profile_key(target)
     store_verify_profile(linear_profile(1.0, 5, key=key), verify_profile_path(key))
     live = live_profiling_dspark.live_verify_profile(target, 5)
-    assert not live.noisy and live.verify_time(3, 16) == pytest.approx(4.0)
+    assert not live.noisy() and live.verify_time(3, 16) == pytest.approx(4.0)
     for _ in range(10):  # one-draft rounds cost 3 steps here, not the profile's 2
         live.observe(1, 16, 6.0)
     assert live.verify_time(1, 16) == pytest.approx(6.0) and live.verify_time(5, 16) == pytest.approx(18.0)
     store_verify_profile(linear_profile(0.5, 5, key=key), verify_profile_path(key))  # re-measured: start over
-    assert live_profiling_dspark.live_verify_profile(target, 5).counts == [0] * 6
+    assert live_profiling_dspark.live_verify_profile(target, 5).counts == {}
 
 
 def test_a_noisy_profile_is_refined_by_live_rounds_not_abandoned():
@@ -682,7 +694,7 @@ def test_a_noisy_profile_is_refined_by_live_rounds_not_abandoned():
     schedule.context_length = 16
     for k in range(8):
         observe(schedule, k, 0, verify_s=1.0, drafter_ran=False)  # every k as cheap as a plain step here
-    assert not schedule.costs.noisy
+    assert not schedule.costs.noisy(1)
     assert drafted(schedule, [0.8] * 7) == 7
 
 
@@ -700,7 +712,7 @@ def test_corrupt_profile_is_ignored_with_one_warning(profile_home, warnings_seen
     assert len(unreadable) == 1 and str(path) in unreadable[0].getMessage()
     live_path = Path(verify_profile_path({**verify_profile_key(target), "axis": "live"}))
     live_path.write_text(content)
-    assert live_profiling_dspark.live_verify_profile(target, 5).counts == [0] * 6
+    assert live_profiling_dspark.live_verify_profile(target, 5).counts == {}
 
 
 def test_foreign_profile_is_ignored_with_one_warning(profile_home, warnings_seen):
@@ -725,7 +737,7 @@ def test_profile_identity_covers_dtype_and_target():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(live_profiling_dspark, "_read_stored_profile", lambda path, k: linear_profile(9.0, 5, key=key))
         settings = dataclasses.replace(DSparkDraftingSettings.from_drafter(drafter), num_drafts=5)
-        schedule = make_schedule(settings, False, lambda: drafter.drafting_state.row_costs_for(target, settings.num_drafts))
+        schedule = make_schedule(settings, False, lambda: drafter.drafting_state.round_costs_for(target, settings.num_drafts))
     assert schedule.costs.profile.key == key and schedule.costs.profile.verify_time(1, 16) == 10.0
 
 

@@ -78,7 +78,7 @@ class DSparkBatchGeneration:
         self.bias_key = decoding_key(target, generation_config)
         state, num_drafts = drafter.drafting_state, self.settings.num_drafts
         self.schedule = make_schedule(self.settings, self.do_sample,
-                                      lambda: state.batch_costs_for(target, num_drafts, self.bias_key))
+                                      lambda: state.round_costs_for(target, num_drafts))
         self.schedule.bias = state.confidence_bias.get(self.bias_key, 0.0)
         self.chooser = DSparkTokenChooser(drafter.draft_to_target_ids, drafter.config.vocab_size, self.do_sample,
                                           logits_processor)
@@ -173,8 +173,17 @@ class DSparkBatchGeneration:
         return cache
 
     def _extend_context(self, batch: DSparkBatchRows, hidden_states, positions: torch.LongTensor):
-        """The drafter's context gets the same new columns as the target's cache (holes included, masked later)."""
+        """The drafter's context gets the same new columns as the target's cache (holes included, masked later), when
+        it next runs (`_catch_up`): a round the drafter rests then costs no more than a plain step."""
         aux = torch.cat([hidden_states[i] for i in self.aux_layer_ids], dim=-1)
+        batch.pending_context.append((aux, positions))
+
+    def _catch_up(self, batch: DSparkBatchRows):
+        """The columns the drafter's context is behind by, through it in one call."""
+        if not batch.pending_context:
+            return
+        aux, positions = (torch.cat(parts, dim=1) for parts in zip(*batch.pending_context))
+        batch.pending_context = []
         device = self.drafter.fc.weight.device
         self.drafter.extend_context(batch.drafter_cache, aux.to(device), positions.to(device))
 
@@ -211,6 +220,7 @@ class DSparkBatchGeneration:
             self.drafter_ran = False
             return SimpleNamespace(token_ids=batch.anchor.new_zeros((batch.anchor.shape[0], 0)), target_logits=None)
         self.drafter_ran = True
+        self._catch_up(batch)
         device = self.drafter.fc.weight.device
         return self.drafter.draft(batch.drafter_cache, batch.anchor.to(device), room, self.chooser, self.schedule,
                                   batch.next_position.to(device), batch.mask.bool().to(device))
@@ -353,7 +363,7 @@ class DSparkBatchGeneration:
         batch.next_position = batch.next_position + accepted + 1
         batch.anchor = bonus
         self._commit(batch, committed)
-        batch.tidy()
+        batch.tidy(lambda: self._catch_up(batch))
 
     def _commit(self, batch: DSparkBatchRows, committed: list[list[int]]):
         """Append each row's new tokens up to the first on which it stops (EOS, max length, stop strings, custom

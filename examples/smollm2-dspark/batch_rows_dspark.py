@@ -22,26 +22,33 @@ class DSparkBatchRows:
         self.target_cache, self.drafter_cache = target_cache, drafter_cache
         self.next_position = mask.sum(dim=1)  # (a,) the anchor's position: tokens committed before it
         self.anchor = None  # (a,) the last committed token, not yet in the target's cache
+        # (aux hidden states (a, n, m·d), positions (a, n)) of the target cache's last columns that the drafter's
+        # context does not hold yet: rounds the drafter rests add them, the next round it runs takes them at once
+        self.pending_context: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def keep(self, keep: torch.Tensor):
         """Drop the rows where `keep` (a,) is False: finished rows cost no more work."""
         index = keep.nonzero().squeeze(1)
         self.rows, self.mask, self.next_position = self.rows[index], self.mask[index], self.next_position[index]
         self.anchor = self.anchor[index]
+        self.pending_context = [(aux[index], positions[index]) for aux, positions in self.pending_context]
         self.target_cache.batch_select_indices(index)
         self.drafter_cache.select_rows(index)
 
-    def tidy(self):
-        """Crop the trailing columns no row needs; compact when holes fill COMPACT_WHEN_WASTED of the columns."""
+    def tidy(self, catch_up):
+        """Crop the trailing columns no row needs; compact when holes fill COMPACT_WHEN_WASTED of the columns.
+        `catch_up()` first brings the drafter's context level with the target's cache where columns move."""
         if not self.rows.numel():
             return
         used = self.mask.any(dim=0)
         trailing = int(used.shape[0] - (used.nonzero().max() + 1)) if used.any() else 0
+        longest = int(self.mask.sum(dim=1).max())
+        if trailing or self.mask.shape[1] - trailing - longest > COMPACT_WHEN_WASTED * (self.mask.shape[1] - trailing):
+            catch_up()
         if trailing:
             self.target_cache.crop(-trailing)
             self.drafter_cache.crop(self.mask.shape[1] - trailing)
             self.mask = self.mask[:, : self.mask.shape[1] - trailing]
-        longest = int(self.mask.sum(dim=1).max())
         if self.mask.shape[1] - longest > COMPACT_WHEN_WASTED * self.mask.shape[1]:
             self._compact(longest)
 

@@ -154,7 +154,7 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
             return False
         confidences = [self._recalibrated(c) for c in confidences.double().tolist()]
         survival = self._next_survival(confidences)
-        if self.costs.noisy:
+        if self.costs.noisy(self.batch_size):
             admitted = max(survival) >= self.fallback_threshold
         elif self.lookahead:  # draft on while even certain later drafts could beat the best stop so far
             best = max(e / c for e, c in zip(self._expected, self._costs))
@@ -177,7 +177,7 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
 
     def finish(self, num_drafted: int) -> int:
         width = num_drafted
-        if self.lookahead and not self.costs.noisy:
+        if self.lookahead and not self.costs.noisy(self.batch_size):
             width = max(range(num_drafted + 1), key=lambda w: self._expected[w] / self._costs[w])
         self.survivals, self._admitted = self.survivals[:width], self._admitted[:width]
         self.backoff.record(width)
@@ -233,7 +233,8 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
     def should_skip(self) -> bool:
         if self.costs.needs_plain_step(self.batch_size):  # time this batch size's plain step first
             return True
-        if self.batch_size != self._backoff_rows:  # a row left: what pays has changed, so probe again
+        if not (self._backoff_rows or 0) / 2 < self.batch_size <= (self._backoff_rows or 0):
+            # a new batch, or half its rows gone (one row leaving changes little): what pays has changed, probe again
             self.backoff, self._backoff_rows = DSparkDrafterBackoff(self.max_backoff), self.batch_size
         return self.backoff.should_skip()
 

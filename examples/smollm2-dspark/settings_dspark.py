@@ -19,21 +19,8 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.utils import logging
 
-from .live_profiling_dspark import (
-    DSparkBatchCosts,
-    DSparkBatchRoundCosts,
-    DSparkLiveVerifyProfile,
-    DSparkRowCosts,
-    live_verify_profile,
-)
-from .profiling_dspark import (
-    DSparkBatchVerifyProfile,
-    DSparkVerifyProfile,
-    batch_profile_key,
-    batch_verify_profile,
-    stored_drafter_dtype,
-    verify_profile_key,
-)
+from .live_profiling_dspark import DSparkLiveVerifyProfile, DSparkRoundCosts, live_verify_profile
+from .profiling_dspark import DSparkBatchVerifyProfile, DSparkVerifyProfile, batch_profile_key, stored_drafter_dtype, verify_profile_key
 
 logger = logging.get_logger(__name__)
 
@@ -168,9 +155,8 @@ class DSparkDraftingState:
     confidence_bias: dict[tuple, float] = field(default_factory=dict)  # hardware schedule's online bias per setting
     lookup_counts: dict[tuple, dict[int, list[float]]] = field(default_factory=dict)  # prompt-lookup outcomes
     verify_profile: DSparkVerifyProfile | None = None
-    live_verify_profile: DSparkLiveVerifyProfile | None = None  # t(k) as this process's rounds priced it
-    batch_verify_profile: DSparkBatchVerifyProfile | None = None  # t(B, w), the same for batched generation
-    batch_round_costs: dict[tuple, DSparkBatchRoundCosts] = field(default_factory=dict)  # live batch costs per setting
+    batch_verify_profile: DSparkBatchVerifyProfile | None = None  # a shape of t(B, w) of your own for batches
+    live_verify_profile: DSparkLiveVerifyProfile | None = None  # t(B, k) as this process's rounds priced it
     bound_target: str | None = None  # the target whose embeddings `bind_target` copied
     # `last_stats` of each thread that generated, and of the newest call in any thread (see `last_stats`)
     _stats_by_thread: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
@@ -186,32 +172,18 @@ class DSparkDraftingState:
     def last_stats(self, stats: "DSparkGenerationStats | None"):
         self._stats_by_thread[threading.current_thread()] = self._newest_stats = stats
 
-    def verify_profile_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkLiveVerifyProfile:
-        """The live profile rounds are priced by, kept from call to call: the profile set here if it belongs to this
-        target, device, dtype and torch, else the stored shape refined live; never measured on the call."""
+    def round_costs_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkRoundCosts:
+        """What rounds cost, one row or many: the live profile kept from call to call (the profiles set here where they
+        belong to this target, device, dtype and torch, else the stored shapes refined live; never measured on the
+        call), and this call's drafter time."""
         key, live = verify_profile_key(target), self.live_verify_profile
         mine = self.verify_profile if self.verify_profile is not None and self.verify_profile.key == key else None
+        batch = self.batch_verify_profile
+        batch = batch if batch is not None and batch.key == batch_profile_key(target) else None
         if (live is None or live.key != key or live.max_drafts < max_drafts or live.frozen != (mine is not None)
-                or (mine is not None and live.prior is not mine)):  # stale, or not what the user set (or unset)
-            live = self.live_verify_profile = live_verify_profile(target, max_drafts, given=mine)
-        return live
-
-    def batch_verify_profile_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkBatchVerifyProfile:
-        """The batch axis t(B, w): the profile set here if it is this target's, else the stored one or the prior shape
-        (never measured on the call; the batch width schedule learns the level live)."""
-        if self.batch_verify_profile is not None and self.batch_verify_profile.key == batch_profile_key(target):
-            return self.batch_verify_profile
-        return batch_verify_profile(target, max_drafts)
-
-    def row_costs_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkRowCosts:
-        """What one row's rounds cost: the live verify profile kept from call to call, and this call's drafter time."""
-        return DSparkRowCosts(self.verify_profile_for(target, max_drafts))
-
-    def batch_costs_for(self, target: PreTrainedModel, max_drafts: int, key: tuple) -> DSparkBatchCosts:
-        """What batched rounds cost: the batch profile's shape, at the level earlier calls of the same decoding setting
-        (`key`) measured live."""
-        live = self.batch_round_costs.setdefault(key, DSparkBatchRoundCosts())
-        return DSparkBatchCosts(self.batch_verify_profile_for(target, max_drafts), live)
+                or (mine is not None and live.prior is not mine) or (batch is not None and live.batch_prior is not batch)):
+            live = self.live_verify_profile = live_verify_profile(target, max_drafts, given=mine, given_batch=batch)
+        return DSparkRoundCosts(live)
 
 
 __all__ = ["DEFAULT_DRAFTING", "DSparkDraftingSettings", "DSparkDraftingState", "default_drafting_config",
