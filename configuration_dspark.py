@@ -84,37 +84,6 @@ _GEOMETRY_DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 32768,
 }
 
-# The published Kimi-K2.6 DSpark drafter (novita/kimi-k2.6-dspark), reproduced tensor for tensor.
-PRESETS: dict[str, dict[str, Any]] = {
-    "kimi-k2.6": {
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 56,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
-        "max_position_embeddings": 20000,
-        "vocab_size": 163840,
-        "draft_vocab_size": 32000,
-        "block_size": 8,
-        "sample_from_anchor": False,
-        "aux_hidden_state_layer_ids": [1, 29, 57],
-        "target_hidden_size": 7168,
-        "target_num_hidden_layers": 61,
-        "mask_token_id": 163608,
-        "markov_rank": 256,
-        "markov_head_type": "vanilla",
-        "enable_confidence_head": True,
-        "confidence_head_with_markov": True,
-        "verifier_name_or_path": "moonshotai/Kimi-K2.6",
-        "verifier_architectures": ["DeepseekV3ForCausalLM"],
-        "dtype": "bfloat16",
-    },
-}
-
-
 @strict
 class DSparkConfig(PreTrainedConfig):
     r"""
@@ -315,13 +284,6 @@ class DSparkConfig(PreTrainedConfig):
         output["auto_map"] = drafter_auto_map(output.get("auto_map"))  # saving sets AutoModel's alone
         return output
 
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> "DSparkConfig":
-        """A published drafter's exact configuration, e.g. `DSparkConfig.from_preset("kimi-k2.6")`."""
-        if name not in PRESETS:
-            raise ValueError(f"DSparkConfig: unknown preset {name!r}; available: {', '.join(PRESETS)}.")
-        return cls(**{**copy.deepcopy(PRESETS[name]), **overrides})
-
 
 def check_target_compatibility(config: DSparkConfig, target: PreTrainedModel):
     """One clear error per way a drafter cannot serve this target (docs/design.md §9)."""
@@ -361,5 +323,5 @@ def adopt_special_tokens(config: DSparkConfig, target: PreTrainedModel, overwrit
             setattr(config, name, getattr(text_config, name, None))
 
 
-__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "PRESETS", "REMOTE_CODE_FILES", "SPECIAL_TOKEN_FIELDS",
+__all__ = ["DSparkConfig", "MARKOV_HEAD_TYPES", "REMOTE_CODE_FILES", "SPECIAL_TOKEN_FIELDS",
            "TRANSFORMERS_RANGE", "adopt_special_tokens", "check_target_compatibility", "check_transformers_version"]

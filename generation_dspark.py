@@ -211,7 +211,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.num_drafts = self.settings.num_drafts
         self.schedule = make_schedule(self.settings, self.do_sample,
-                                      lambda: self.state.round_costs_for(target, self.settings.num_drafts))
+                                      lambda: self.state.round_costs_for(target, self.settings.num_drafts, self.do_sample))
         self.bias_key = decoding_key(target, generation_config)
         self.schedule.bias = self.state.confidence_bias.get(self.bias_key, 0.0)  # learned by earlier calls
         # After rounds that draft nothing the drafter itself may rest (the schedule's back-off); the aux rows of the

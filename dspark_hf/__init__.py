@@ -5,10 +5,11 @@ it imports) copied next to every checkpoint; this package re-exports them and ad
 (data → cache → vocab → train → eval → generate → export).
 """
 
-from .remote_code.configuration_dspark import PRESETS, DSparkConfig
+from .remote_code.configuration_dspark import DSparkConfig
 from .remote_code.generation_dspark import DSparkCandidateGenerator
 from .remote_code.drafting_dspark import DSparkForDrafting
 from .remote_code.modeling_dspark import DSparkContextCache, DSparkDraftOutput, DSparkTrainingOutput
+from .presets import PRESETS, preset_config
 
 __version__ = "0.1.0"
 
@@ -20,4 +21,5 @@ __all__ = [
     "DSparkDraftOutput",
     "DSparkForDrafting",
     "DSparkTrainingOutput",
+    "preset_config",
 ]

@@ -332,6 +332,7 @@ def test_live_costs_take_their_level_from_the_first_pass_and_price_an_untried_ba
     live.observe(0, 64, 0.08, rows=8)
     assert live.verify_time(0, 64, 8) == pytest.approx(0.08)
     assert live.verify_time(3, 64, 8) == pytest.approx(0.08 * 1.5)
+    assert live.verify_time(0, 64, 16) == pytest.approx(0.08 / 3 * 5)  # never run: batch 8's level, 16's shape
     assert DSparkRoundCosts(live).needs_plain_step(32) and not DSparkRoundCosts(live).needs_plain_step(8)
     assert not DSparkRoundCosts(live).needs_plain_step(1)  # one row drafts from its first round
 

@@ -51,5 +51,5 @@ def test_profiles_time_the_gpu_and_are_keyed_by_it(pair):
     assert all(t > 0 for row in batch.verify_time_s for t in row)
     target.generate(torch.tensor([PROMPTS[0]], device=DEVICE), max_new_tokens=16, do_sample=False, pad_token_id=0,
                     assistant_model=drafter)
-    live = drafter.drafting_state.live_verify_profile
+    live = drafter.drafting_state.live_verify_profiles[False]
     assert live.key == key and sum(live.counts[1]) > 0 and all(r is None or r > 0 for r in live.ratios[1])

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config
 
 from conftest import make_drafter, make_tiny_target
+from dspark_hf.presets import preset_config
 from dspark_hf import DSparkConfig, DSparkContextCache, DSparkForDrafting
 from dspark_hf.cli import main as cli_main
 from dspark_hf.formats.convert import convert
@@ -384,7 +385,7 @@ def read_layout(directory):
 
 def test_kimi_preset_layout_is_design_section_3():
     """The real Kimi-K2.6 layout (built on the meta device): 44 tensors, ≈3.15 B parameters, docs/design.md §3 exactly."""
-    config = DSparkConfig.from_preset("kimi-k2.6")
+    config = preset_config("kimi-k2.6")
     with torch.device("meta"):
         model = DSparkForDrafting(config).to(torch.bfloat16)
     names = {"torch.bfloat16": "BF16", "torch.int64": "I64", "torch.bool": "BOOL"}
@@ -407,7 +408,7 @@ def test_kimi_shaped_tiny_export_is_design_section_3(target, tmp_path):
     config, tensors = read_layout(out)
     design_layout(config, tensors)
     assert len(tensors) == 44  # same count as the Kimi card
-    kimi = DSparkConfig.from_preset("kimi-k2.6")
+    kimi = preset_config("kimi-k2.6")
     with torch.device("meta"):
         assert set(tensors) == set(DSparkForDrafting(kimi).state_dict())  # same names as the real layout
     assert config["speculators_config"]["verifier"] == {"name_or_path": "tiny/qwen3",

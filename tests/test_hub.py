@@ -26,6 +26,7 @@ from huggingface_hub import ModelCard
 from transformers import AutoModel
 
 from conftest import make_drafter, make_tiny_target
+from dspark_hf.presets import preset_config
 from dspark_hf import DSparkConfig, DSparkContextCache
 from dspark_hf.hub import build_model_card
 
@@ -128,7 +129,7 @@ def drafts(drafter, aux, anchors=(3, 17, 50)):
 
 
 def test_model_card_states_what_the_drafter_needs():
-    config = DSparkConfig.from_preset("kimi-k2.6")
+    config = preset_config("kimi-k2.6")
     card = build_model_card(
         config,
         repo_id="novita/kimi-k2.6-dspark",

@@ -14,6 +14,7 @@ import torch
 from conftest import make_drafter, make_tiny_target
 from safetensors import safe_open
 
+from dspark_hf.presets import preset_config
 from dspark_hf import DSparkConfig, DSparkContextCache, DSparkForDrafting
 from dspark_hf.remote_code.configuration_dspark import REMOTE_CODE_FILES
 
@@ -50,7 +51,7 @@ KIMI_PARAMETERS = 3_149_529_089  # every floating tensor above, summed (d2t/t2d 
 
 
 def test_kimi_preset_has_exactly_the_44_published_tensors():
-    config = DSparkConfig.from_preset("kimi-k2.6")
+    config = preset_config("kimi-k2.6")
     with torch.device("meta"):
         model = DSparkForDrafting._from_config(config, dtype=torch.bfloat16)
     state = model.state_dict()

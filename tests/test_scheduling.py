@@ -666,7 +666,7 @@ def test_first_call_measures_nothing_learns_from_its_rounds_and_the_next_process
         expected = greedy(target, prompt, max_new_tokens=24, eos_token_id=None)
         assert torch.equal(greedy(target, prompt, max_new_tokens=24, eos_token_id=None, assistant_model=drafter), expected)
     assert profile_home == []  # nothing measured on the call
-    live = drafter.drafting_state.live_verify_profile
+    live = drafter.drafting_state.live_verify_profiles[False]
     assert sum(live.counts[1]) > 0
     assert live.prior is None and not live.noisy()
     path = Path(verify_profile_path({**verify_profile_key(target), "axis": "live"}))

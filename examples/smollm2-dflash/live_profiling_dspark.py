@@ -69,7 +69,8 @@ class DSparkLiveVerifyProfile:
     frozen: bool = False  # one row priced by `prior` as given (a profile the user set), nothing learned for it
     ratios: dict[int, list[float | None]] = field(default_factory=dict)  # batch size -> r_B(k)
     counts: dict[int, list[int]] = field(default_factory=dict)  # batch size -> passes seen of each k
-    unsaved: int = 0
+    draft_time_s: dict[int, float] = field(default_factory=dict)  # batch size -> the drafter's running time (kept
+    unsaved: int = 0                                                # in memory: it is the drafter's, not the target's)
 
     def seen(self, rows: int, num_drafts: int | None = None) -> bool:
         """Whether a pass of `num_drafts` (any k: None) drafts for `rows` rows has been timed."""
@@ -89,14 +90,21 @@ class DSparkLiveVerifyProfile:
 
     def ratio(self, num_drafts: float, rows: int = 1) -> float:
         seen = [k for k, count in enumerate(self.counts.get(rows, [])) if count]
+        if rows > 1 and not seen:  # a batch size never run: its nearest neighbour's (the shape scales it)
+            near = self._nearest(rows, lambda b: True)
+            return 1.0 if near is None else self.ratio(num_drafts, near)
         if rows > 1 and seen == [0] and num_drafts > 0:  # only plain steps at this batch size so far
-            near = min((b for b in self.counts if b > 1 and b != rows and self.seen(b, 0) and any(self.counts[b][1:])),
-                       key=lambda b: (abs(math.log(b / rows)), b), default=None)
+            near = self._nearest(rows, lambda b: self.seen(b, 0) and any(self.counts[b][1:]))
             if near is not None:
                 return self.ratios[rows][0] * self.ratio(num_drafts, near) / self.ratios[near][0]
         if not seen:
             return 1.0
         return _interpolate(seen, [self.ratios[rows][k] for k in seen], num_drafts)
+
+    def _nearest(self, rows: int, usable) -> int | None:
+        """The seen batch size (of more than one row) nearest to `rows` on a log scale among the `usable` ones."""
+        sizes = [b for b in self.counts if b > 1 and b != rows and self.seen(b) and usable(b)]
+        return min(sizes, key=lambda b: (abs(math.log(b / rows)), b), default=None)
 
     def verify_time(self, num_drafts: float, context_length: int, rows: int = 1) -> float:
         return self.shape(num_drafts, context_length, rows) * self.ratio(num_drafts, rows)
@@ -141,16 +149,17 @@ class DSparkLiveVerifyProfile:
 
 
 def live_verify_profile(target: PreTrainedModel, max_drafts: int, given: DSparkVerifyProfile | None = None,
-                        given_batch: DSparkBatchVerifyProfile | None = None) -> DSparkLiveVerifyProfile:
-    """The live profile for this target, device, dtype and torch: one row priced exactly by the `given` profile when
-    there is one; else shaped by the stored measured profiles (never measured here: that is `dspark-hf profile`'s
-    job), continuing what earlier processes learned."""
+                        given_batch: DSparkBatchVerifyProfile | None = None, sampling: bool = False) -> DSparkLiveVerifyProfile:
+    """The live profile for this target, device, dtype and torch, and for greedy or sampled rounds (sampling's
+    acceptance costs a softmax over every verified token): one row priced exactly by the `given` profile when there is
+    one; else shaped by the stored measured profiles (never measured here: that is `dspark-hf profile`'s job),
+    continuing what earlier processes learned."""
     key = verify_profile_key(target)
     batch = given_batch or batch_verify_profile(target, max_drafts)
     if given is not None:
         return DSparkLiveVerifyProfile(key, given.max_drafts, given, batch, frozen=True)
     prior = _read_stored_profile(verify_profile_path(key), key)
-    path = verify_profile_path({**key, "axis": "live"})
+    path = verify_profile_path({**key, "axis": "live", **({"decoding": "sample"} if sampling else {})})
     live = DSparkLiveVerifyProfile(key, max_drafts, prior, batch, path)
     if os.path.isfile(path):
         try:
@@ -163,11 +172,12 @@ def live_verify_profile(target: PreTrainedModel, max_drafts: int, given: DSparkV
 
 class DSparkRoundCosts:
     """What a round costs, for one row or many: t(B, k) of the live verify profile at this context, plus the drafter's
-    running time per batch size (this call's). A batch size whose plain step was never timed takes one first."""
+    running time per batch size. A batch size whose plain step was never timed takes one first."""
 
     def __init__(self, profile: DSparkLiveVerifyProfile, draft_time_s: float | None = None):
-        self.profile, self.max_drafts = profile, profile.max_drafts
-        self.draft_time_s: dict[int, float] = {} if draft_time_s is None else {1: draft_time_s}
+        self.profile, self.max_drafts, self.draft_time_s = profile, profile.max_drafts, profile.draft_time_s
+        if draft_time_s is not None:
+            self.draft_time_s[1] = draft_time_s
 
     def noisy(self, batch_size: int) -> bool:
         return self.profile.noisy(batch_size)

@@ -5,12 +5,13 @@ Remote-code file: copied next to every checkpoint, imports only torch and transf
 of its siblings only the model's own parts (config, heads, context cache): the engine and the drivers import this
 file, never the other way round.
 
-Reading order (as in `modeling_llama.py`): norm → rotary → MLP → attention with KV injection → draft layer → model
-outputs → checkpoint checks → PreTrainedModel → DSparkDraftModel (training forward; the drafting primitives, one
-loop for one row or many: `block_rows`, `draft`). `drafting_dspark` builds the class users load on it
+The draft layers are Qwen3's (as `transformer_layer_config` declares): its RMSNorm, MLP, `repeat_kv` and
+`rotate_half` are imported from transformers. Reading order (as in `modeling_llama.py`): rotary → attention with KV
+injection → draft layer → model outputs → checkpoint checks → PreTrainedModel → DSparkDraftModel (training forward;
+the drafting primitives, one loop for one row or many: `block_rows`, `draft`). `drafting_dspark` builds the class users load on it
 (`DSparkForDrafting`: drafting settings, `draft_block`, and the methods that plug the drafter into
 `target.generate(assistant_model=drafter)`). The rest lives beside this file, one concern each:
-`configuration_dspark` (config, presets, target check), `heads_dspark` (Markov and confidence heads),
+`configuration_dspark` (config, target check), `heads_dspark` (Markov and confidence heads),
 `context_cache_dspark` (the committed context's K/V), `token_choice_dspark` (how a draft is chosen),
 `scheduling_dspark` (one family of draft schedules, back-off, prompt lookup), `live_profiling_dspark` and
 `profiling_dspark` (what rounds cost), `settings_dspark` (drafting settings and the state kept between calls), and
@@ -35,10 +36,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import PreTrainedModel
-from transformers.activations import ACT2FN
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, repeat_kv, rotate_half
 from transformers.utils import ModelOutput
 
 from .configuration_dspark import DSparkConfig
@@ -48,20 +49,6 @@ from .heads_dspark import MARKOV_HEAD_CLASSES, DSparkConfidenceHead, DSparkVanil
 # A block of at most this many (row, position) pairs runs the LM head over every position at once (see `_base_logits`):
 # on the CPUs measured, one pass over 64 rows costs what two or three passes over 8 rows cost, bf16 or fp32.
 LM_HEAD_AT_ONCE = 64
-
-
-class DSparkRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
 
 
 class DSparkRotaryEmbedding(nn.Module):
@@ -98,35 +85,10 @@ class DSparkRotaryEmbedding(nn.Module):
         return cos.to(x.dtype), sin.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (b, heads, t, hd) by cos/sin (b, t, hd). Queries and keys differ in length here, so one at a time."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (x * cos) + (rotate_half(x) * sin)
-
-
-class DSparkMLP(nn.Module):
-    def __init__(self, config: DSparkConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(b, kv_heads, t, hd) -> (b, kv_heads * n_rep, t, hd)"""
-    if n_rep == 1:
-        return hidden_states
-    b, kv_heads, t, hd = hidden_states.shape
-    return hidden_states[:, :, None].expand(b, kv_heads, n_rep, t, hd).reshape(b, kv_heads * n_rep, t, hd)
 
 
 def eager_attention_forward(
@@ -173,8 +135,8 @@ class DSparkAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = DSparkRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = DSparkRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def project_kv(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
@@ -225,9 +187,9 @@ class DSparkDecoderLayer(nn.Module):
     def __init__(self, config: DSparkConfig, layer_idx: int):
         super().__init__()
         self.self_attn = DSparkAttention(config, layer_idx)
-        self.mlp = DSparkMLP(config)
-        self.input_layernorm = DSparkRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = DSparkRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -315,7 +277,7 @@ class DSparkPreTrainedModel(PreTrainedModel):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, DSparkRMSNorm):
+        elif isinstance(module, Qwen3RMSNorm):
             nn.init.ones_(module.weight)
         elif isinstance(module, DSparkRotaryEmbedding):
             inv_freq, _ = module.compute_inv_freq(module.config, device=module.inv_freq.device)
@@ -348,9 +310,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         num_aux = len(config.aux_hidden_state_layer_ids)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.fc = nn.Linear(num_aux * config.target_hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = DSparkRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList([DSparkDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = DSparkRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DSparkRotaryEmbedding(config)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.markov_head = MARKOV_HEAD_CLASSES[config.markov_head_type](config) if config.markov_rank > 0 else None

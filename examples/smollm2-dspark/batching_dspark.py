@@ -78,7 +78,7 @@ class DSparkBatchGeneration:
         self.bias_key = decoding_key(target, generation_config)
         state, num_drafts = drafter.drafting_state, self.settings.num_drafts
         self.schedule = make_schedule(self.settings, self.do_sample,
-                                      lambda: state.round_costs_for(target, num_drafts))
+                                      lambda: state.round_costs_for(target, num_drafts, self.do_sample))
         self.schedule.bias = state.confidence_bias.get(self.bias_key, 0.0)
         self.chooser = DSparkTokenChooser(drafter.draft_to_target_ids, drafter.config.vocab_size, self.do_sample,
                                           logits_processor)

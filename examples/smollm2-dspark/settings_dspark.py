@@ -156,7 +156,8 @@ class DSparkDraftingState:
     lookup_counts: dict[tuple, dict[int, list[float]]] = field(default_factory=dict)  # prompt-lookup outcomes
     verify_profile: DSparkVerifyProfile | None = None
     batch_verify_profile: DSparkBatchVerifyProfile | None = None  # a shape of t(B, w) of your own for batches
-    live_verify_profile: DSparkLiveVerifyProfile | None = None  # t(B, k) as this process's rounds priced it
+    # t(B, k) as this process's rounds priced it, greedy (False) and sampled (True)
+    live_verify_profiles: dict[bool, DSparkLiveVerifyProfile] = field(default_factory=dict)
     bound_target: str | None = None  # the target whose embeddings `bind_target` copied
     # `last_stats` of each thread that generated, and of the newest call in any thread (see `last_stats`)
     _stats_by_thread: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
@@ -172,17 +173,17 @@ class DSparkDraftingState:
     def last_stats(self, stats: "DSparkGenerationStats | None"):
         self._stats_by_thread[threading.current_thread()] = self._newest_stats = stats
 
-    def round_costs_for(self, target: PreTrainedModel, max_drafts: int) -> DSparkRoundCosts:
+    def round_costs_for(self, target: PreTrainedModel, max_drafts: int, sampling: bool = False) -> DSparkRoundCosts:
         """What rounds cost, one row or many: the live profile kept from call to call (the profiles set here where they
         belong to this target, device, dtype and torch, else the stored shapes refined live; never measured on the
-        call), and this call's drafter time."""
-        key, live = verify_profile_key(target), self.live_verify_profile
+        call), and the drafter's running time."""
+        key, live = verify_profile_key(target), self.live_verify_profiles.get(sampling)
         mine = self.verify_profile if self.verify_profile is not None and self.verify_profile.key == key else None
         batch = self.batch_verify_profile
         batch = batch if batch is not None and batch.key == batch_profile_key(target) else None
         if (live is None or live.key != key or live.max_drafts < max_drafts or live.frozen != (mine is not None)
                 or (mine is not None and live.prior is not mine) or (batch is not None and live.batch_prior is not batch)):
-            live = self.live_verify_profile = live_verify_profile(target, max_drafts, given=mine, given_batch=batch)
+            live = self.live_verify_profiles[sampling] = live_verify_profile(target, max_drafts, mine, batch, sampling)
         return DSparkRoundCosts(live)
 
 
