@@ -42,14 +42,15 @@ class DSparkBatchRows:
             return
         used = self.mask.any(dim=0)
         trailing = int(used.shape[0] - (used.nonzero().max() + 1)) if used.any() else 0
-        longest = int(self.mask.sum(dim=1).max())
-        if trailing or self.mask.shape[1] - trailing - longest > COMPACT_WHEN_WASTED * (self.mask.shape[1] - trailing):
+        width, longest = self.mask.shape[1] - trailing, int(self.mask.sum(dim=1).max())
+        compact = width - longest > COMPACT_WHEN_WASTED * width
+        if trailing or compact:
             catch_up()
         if trailing:
             self.target_cache.crop(-trailing)
-            self.drafter_cache.crop(self.mask.shape[1] - trailing)
-            self.mask = self.mask[:, : self.mask.shape[1] - trailing]
-        if self.mask.shape[1] - longest > COMPACT_WHEN_WASTED * self.mask.shape[1]:
+            self.drafter_cache.crop(width)
+            self.mask = self.mask[:, :width]
+        if compact:
             self._compact(longest)
 
     def _compact(self, width: int):

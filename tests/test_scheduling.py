@@ -63,7 +63,9 @@ def live(profile: DSparkVerifyProfile) -> DSparkLiveVerifyProfile:
 
 def row_schedule(profile: DSparkLiveVerifyProfile, draft_time_s: float | None = None, **kwargs):
     """The hardware-aware schedule of one row, priced by this live profile and a drafter time."""
-    return DSparkHardwareAwareSchedule(DSparkRoundCosts(profile, draft_time_s), **kwargs)
+    if draft_time_s is not None:
+        profile.draft_time_s[1] = draft_time_s
+    return DSparkHardwareAwareSchedule(DSparkRoundCosts(profile), **kwargs)
 
 
 def pinned_draft_time(seconds: float):

@@ -174,10 +174,8 @@ class DSparkRoundCosts:
     """What a round costs, for one row or many: t(B, k) of the live verify profile at this context, plus the drafter's
     running time per batch size. A batch size whose plain step was never timed takes one first."""
 
-    def __init__(self, profile: DSparkLiveVerifyProfile, draft_time_s: float | None = None):
+    def __init__(self, profile: DSparkLiveVerifyProfile):
         self.profile, self.max_drafts, self.draft_time_s = profile, profile.max_drafts, profile.draft_time_s
-        if draft_time_s is not None:
-            self.draft_time_s[1] = draft_time_s
 
     def noisy(self, batch_size: int) -> bool:
         return self.profile.noisy(batch_size)
