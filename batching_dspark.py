@@ -240,8 +240,8 @@ class DSparkBatchGeneration:
         (a, w + 1, V) and the aux hidden states come back in the padded layout, and the cache gains w + 1 columns."""
         tokens = tokens.to(batch.anchor.device)
         ids = torch.cat([batch.anchor[:, None], tokens], dim=1)  # (a, w + 1)
-        packing = DSparkPacking(counts)
-        outputs = self._packed_forward(batch, ids, packing) if self.packed else self._padded_forward(batch, ids, packing)
+        packing, positions = DSparkPacking(counts), batch.next_position[:, None] + torch.arange(ids.shape[1], device=ids.device)
+        outputs = (self._packed_forward if self.packed else self._padded_forward)(batch, ids, packing, positions)
         raw = outputs.logits.float()
         processed = self._processed(batch, ids, packing.valid, raw.clone() if self.wants_logits else raw)
         return processed, raw, outputs
@@ -259,15 +259,13 @@ class DSparkBatchGeneration:
             masks = {kind: torch.zeros(m.shape, dtype=self.target.dtype).masked_fill_(~m, lowest) for kind, m in masks.items()}
         return masks if len(masks) > 1 else next(iter(masks.values()))
 
-    def _padded_forward(self, batch: DSparkBatchRows, ids: torch.LongTensor, packing: DSparkPacking):
-        positions = batch.next_position[:, None] + torch.arange(ids.shape[1], device=ids.device)
+    def _padded_forward(self, batch: DSparkBatchRows, ids: torch.LongTensor, packing: DSparkPacking, positions):
         return self.target(input_ids=ids, attention_mask=self._round_mask(batch.mask, packing, positions, packed=False),
                            position_ids=positions, cache=batch.target_cache, use_cache=True,
                            output_hidden_states=self.aux_layer_ids, dspark_batch_round=True)
 
-    def _packed_forward(self, batch: DSparkBatchRows, ids: torch.LongTensor, packing: DSparkPacking):
+    def _packed_forward(self, batch: DSparkBatchRows, ids: torch.LongTensor, packing: DSparkPacking, positions):
         """The forward over the packed tokens (1, N); its logits unpacked to (a, w + 1, V)."""
-        positions = batch.next_position[:, None] + torch.arange(ids.shape[1], device=ids.device)
         outputs = self._packed_call(packing, input_ids=packing.pack(ids), position_ids=packing.pack(positions),
                                     attention_mask=self._round_mask(batch.mask, packing, positions, packed=True),
                                     cache=batch.target_cache)

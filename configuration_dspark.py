@@ -178,6 +178,7 @@ class DSparkConfig(PreTrainedConfig):
             setattr(self, name, flat if flat is not None else nested if nested is not None else copy.copy(default))
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", 1_000_000.0)}
+        self.rope_parameters.setdefault("rope_type", "default")
         if self.draft_vocab_size is None:
             self.draft_vocab_size = self.vocab_size
         if self.target_hidden_size is None:
@@ -286,29 +287,23 @@ class DSparkConfig(PreTrainedConfig):
 
 
 def check_target_compatibility(config: DSparkConfig, target: PreTrainedModel):
-    """One clear error per way a drafter cannot serve this target (docs/design.md §9)."""
+    """One clear error per way a drafter cannot serve this target (docs/design.md §9): the first that holds."""
     text_config = target.config.get_text_config()
-    if text_config.hidden_size != config.target_hidden_size:
-        raise ValueError(
-            f"DSpark drafter expects target hidden size {config.target_hidden_size} but the target has "
-            f"{text_config.hidden_size}; use a drafter trained for this target."
-        )
-    if text_config.vocab_size != config.vocab_size:
-        raise ValueError(
-            f"DSpark drafter vocab_size={config.vocab_size} differs from the target's {text_config.vocab_size}; "
-            "use a drafter trained for this target's tokenizer."
-        )
-    depth = text_config.num_hidden_layers
-    if max(config.aux_hidden_state_layer_ids) > depth:
-        raise ValueError(
-            f"DSpark aux layer id {max(config.aux_hidden_state_layer_ids)} is beyond the target's {depth} layers; "
-            f"use aux_hidden_state_layer_ids within [0, {depth}]."
-        )
-    if config.target_num_hidden_layers is not None and config.target_num_hidden_layers != depth:
-        raise ValueError(
-            f"DSpark drafter was trained for a target of {config.target_num_hidden_layers} layers but this target has "
-            f"{depth}; use a drafter trained for this target (target_num_hidden_layers={depth})."
-        )
+    hidden, vocab, depth = text_config.hidden_size, text_config.vocab_size, text_config.num_hidden_layers
+    deepest, trained_depth = max(config.aux_hidden_state_layer_ids), config.target_num_hidden_layers
+    checks = (
+        (hidden != config.target_hidden_size, f"expects target hidden size {config.target_hidden_size} but the target "
+         f"has {hidden}; use a drafter trained for this target."),
+        (vocab != config.vocab_size, f"vocab_size={config.vocab_size} differs from the target's {vocab}; use a drafter "
+         "trained for this target's tokenizer."),
+        (deepest > depth, f"aux layer id {deepest} is beyond the target's {depth} layers; use "
+         f"aux_hidden_state_layer_ids within [0, {depth}]."),
+        (trained_depth is not None and trained_depth != depth, f"was trained for a target of {trained_depth} layers "
+         f"but this target has {depth}; use a drafter trained for this target (target_num_hidden_layers={depth})."),
+    )
+    for failed, message in checks:
+        if failed:
+            raise ValueError(f"DSpark drafter {message}")
 
 
 SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")

@@ -127,6 +127,5 @@ def install_dspark_routing():
             setattr(GenerationMixin, name, wrapper)
 
 
-
 __all__ = ["DSPARK_BATCH_ATTRIBUTE", "DSPARK_CALL_FACTORY_ATTRIBUTE", "DSPARK_FACTORY_ATTRIBUTE", "DSPARK_HOOKS",
            "DSPARK_STOPPING_ATTRIBUTE", "install_dspark_routing"]

@@ -246,6 +246,26 @@ def test_training_forward_lines_up_with_inference_drafts(sample_from_anchor, mar
         assert torch.equal(input_ids[0, out.label_positions[0, j]], draft.token_ids[0])
 
 
+def test_eager_attention_reads_the_same_masks_as_sdpa():
+    """transformers' eager kernel adds its mask to the scores: the drafter's bool masks (training's blocks and
+    padding, a padded batch's context columns) become additive ones for it, and both kernels give the same rows."""
+    target = make_tiny_target("llama")
+    drafter = make_drafter(target, markov_head_type="vanilla", enable_confidence_head=True)
+    torch.manual_seed(4)
+    aux, ids, anchors = torch.randn(2, 20, 3 * 64), torch.randint(3, 90, (2, 20)), torch.tensor([[4, 12], [3, 9]])
+    padding = torch.tensor([[1] * 20, [1] * 14 + [0] * 6])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    cache = drafter.extend_context(DSparkContextCache(), aux[:, :5], (mask.cumsum(-1) - 1).clamp(min=0))
+    outputs = {}
+    for kernel in ("sdpa", "eager"):
+        drafter.set_attn_implementation(kernel)
+        training = drafter(aux_hidden_states=aux, input_ids=ids, anchor_positions=anchors, attention_mask=padding)
+        outputs[kernel] = (training.logits, drafter.block_rows(cache, ids[:, 5], mask.sum(-1), mask.bool()))
+    for sdpa, eager in zip(*outputs.values()):
+        torch.testing.assert_close(eager, sdpa, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(outputs["eager"][1][0], drafter.block_rows(cache, ids[:, 5], mask.sum(-1))[0], atol=1e-3)
+
+
 def test_training_mask_hides_the_future_and_other_blocks():
     """Changing positions ≥ p (or another block's anchor) never changes block p's logits."""
     target = make_tiny_target("llama")

@@ -2,8 +2,13 @@
 """The DSpark drafter as users load it: `AutoModel.from_pretrained(..., trust_remote_code=True)` names this class
 (`auto_map`), and `target.generate(**inputs, assistant_model=drafter)` reaches it through the routing hooks.
 
-Remote-code file (imports only torch and transformers). The top of the remote code's imports: the network
-(`modeling_dspark.DSparkDraftModel`) plus what drafting needs around it, so that imports run driver → engine → model.
+Remote-code file (imports only torch and transformers), the top of the remote code's imports, which run one way,
+one concern per file: the drivers (`generation_dspark`, one row inside transformers' assisted loop, which
+`routing_dspark` hands it; `batching_dspark`, a batch, with `batch_rows_dspark` and `packing_dspark`) → the engine
+(`scheduling_dspark`: draft schedules, back-off, prompt lookup; `settings_dspark`: drafting settings and the state
+kept between calls; `live_profiling_dspark` → `profiling_dspark`: what rounds cost; `token_choice_dspark`: how a
+draft is chosen) → the model (`modeling_dspark`: the network and its one drafting loop; `heads_dspark`,
+`context_cache_dspark`, `configuration_dspark`). The drivers reach the drafting loop only through the drafter.
 What a drafter keeps between generate calls is one object apart from the module (`drafting_state`,
 `settings_dspark.DSparkDraftingState`); its drafting settings are its `generation_config`.
 
@@ -87,7 +92,6 @@ class DSparkForDrafting(DSparkDraftModel):
             pass
         return model
 
-
     @torch.no_grad()
     def draft_block(
         self,
@@ -168,8 +172,6 @@ class DSparkForDrafting(DSparkDraftModel):
     def last_generation_stats(self) -> DSparkGenerationStats | None:
         """What the last `generate` call with this drafter did (rounds, drafts, acceptance, times)."""
         return self.drafting_state.last_stats
-
-
 
 
 install_dspark_routing()

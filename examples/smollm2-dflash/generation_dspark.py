@@ -5,11 +5,6 @@ Remote-code file (imports only torch and transformers). transformers' assisted-d
 and commits tokens; this file supplies the candidates. Reading order: generation stats → the candidate generator
 (one verify round at a time: extend the drafter's context, draft a block, let the schedule and the stops decide how
 much of it to propose, learn from the outcome). `routing_dspark.py` hands it to generate().
-
-Imports run one way: `drafting_dspark` (the class users load) → the drivers (`routing_dspark`, `batching_dspark`,
-this file) → the engine (`scheduling_dspark`, `settings_dspark` → `live_profiling_dspark` → `profiling_dspark`,
-`token_choice_dspark`) → the model (`modeling_dspark`, `heads_dspark`, `context_cache_dspark`,
-`configuration_dspark`). The drivers reach the model's drafting loop only through the drafter they are handed.
 """
 
 from __future__ import annotations
@@ -32,7 +27,8 @@ from .settings_dspark import DSparkDraftingSettings, prepare_drafter
 # ------------------------------------------------------------------------------------------------------------------
 # Generation stats
 
-# The counters of DSparkGenerationStats that add up over generate calls.
+# The fields of DSparkGenerationStats with one entry per round, and the counters that add up over generate calls.
+PER_ROUND_STATS = ("drafted", "accepted", "widths", "round_rows", "verified_tokens", "round_prices")
 SUMMED_STATS = ("draft_time_s", "verify_time_s", "confidence_predicted", "confidence_observed", "confidence_verified",
                 "lookup_rounds", "lookup_drafted", "lookup_accepted", "prefill_tokens", "prefill_padded_tokens")
 
@@ -136,15 +132,11 @@ class DSparkGenerationStats:
         """One record over several generate calls: rounds concatenated, times and counters summed."""
         merged = cls(num_draft_tokens=stats_list[0].num_draft_tokens)
         for stats in stats_list:
-            merged.drafted += list(stats.drafted)
-            merged.accepted += list(stats.accepted)
-            merged.widths += list(stats.widths)
-            merged.round_rows += list(stats.round_rows)
-            merged.verified_tokens += list(stats.verified_tokens)
-            merged.round_prices += list(stats.round_prices)
-            merged.packed = stats.packed if merged.packed is None else merged.packed
+            for name in PER_ROUND_STATS:
+                getattr(merged, name).extend(getattr(stats, name))
             for name in SUMMED_STATS:
                 setattr(merged, name, getattr(merged, name) + getattr(stats, name))
+            merged.packed = stats.packed if merged.packed is None else merged.packed
         return merged
 
 

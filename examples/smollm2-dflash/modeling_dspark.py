@@ -5,19 +5,11 @@ Remote-code file: copied next to every checkpoint, imports only torch and transf
 of its siblings only the model's own parts (config, heads, context cache): the engine and the drivers import this
 file, never the other way round.
 
-The draft layers are Qwen3's (as `transformer_layer_config` declares): its RMSNorm, MLP, `repeat_kv` and
+The draft layers are Qwen3's (as `transformer_layer_config` declares): its RMSNorm, MLP, RoPE, eager attention and
 `rotate_half` are imported from transformers. Reading order (as in `modeling_llama.py`): rotary → attention with KV
 injection → draft layer → model outputs → checkpoint checks → PreTrainedModel → DSparkDraftModel (training forward;
-the drafting primitives, one loop for one row or many: `block_rows`, `draft`). `drafting_dspark` builds the class users load on it
-(`DSparkForDrafting`: drafting settings, `draft_block`, and the methods that plug the drafter into
-`target.generate(assistant_model=drafter)`). The rest lives beside this file, one concern each:
-`configuration_dspark` (config, target check), `heads_dspark` (Markov and confidence heads),
-`context_cache_dspark` (the committed context's K/V), `token_choice_dspark` (how a draft is chosen),
-`scheduling_dspark` (one family of draft schedules, back-off, prompt lookup), `live_profiling_dspark` and
-`profiling_dspark` (what rounds cost), `settings_dspark` (drafting settings and the state kept between calls), and
-the two drivers over the one drafting loop: `generation_dspark` (one row, inside transformers' assisted loop;
-`routing_dspark` hands it to generate()) and `batching_dspark` (a batch, with `batch_rows_dspark` and
-`packing_dspark`).
+the drafting primitives, one loop for one row or many: `block_rows`, `draft`). `drafting_dspark` builds the class
+users load on it, and its docstring maps the rest of the remote code.
 
 Notation: d hidden size, m aux layers, B block size, N drafts per block (B-1, or B with `sample_from_anchor`),
 V_t target vocab, V_d draft vocab, r Markov rank. Draft n (1..N) always predicts the token at position p+n, where
@@ -33,13 +25,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, repeat_kv, rotate_half
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
 from transformers.utils import ModelOutput
 
 from .configuration_dspark import DSparkConfig
@@ -51,23 +47,8 @@ from .heads_dspark import MARKOV_HEAD_CLASSES, DSparkConfidenceHead, DSparkVanil
 LM_HEAD_AT_ONCE = 64
 
 
-class DSparkRotaryEmbedding(nn.Module):
-    """Rotate-half (neox) RoPE with the drafter's own theta/scaling; context keys and block rows use their own positions."""
-
-    def __init__(self, config: DSparkConfig):
-        super().__init__()
-        self.config = config
-        self.rope_type = config.rope_parameters.get("rope_type", "default")
-        inv_freq, self.attention_scaling = self.compute_inv_freq(config)
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)  # re-set in _init_weights: not in the checkpoint
-
-    @staticmethod
-    def compute_inv_freq(config: DSparkConfig, device=None) -> tuple[torch.Tensor, float]:
-        if config.rope_parameters.get("rope_type", "default") != "default":
-            return ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](config, device)
-        dim = config.head_dim
-        arange = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float()
-        return 1.0 / (config.rope_theta ** (arange / dim)), 1.0
+class DSparkRotaryEmbedding(Qwen3RotaryEmbedding):
+    """Qwen3's RoPE with the drafter's own theta/scaling; context keys and block rows use their own positions."""
 
     def _apply(self, fn, recurse=True):
         # Casting the model to bf16 must not round the frequencies: keep them fp32, only follow the device.
@@ -76,43 +57,11 @@ class DSparkRotaryEmbedding(nn.Module):
         self.inv_freq = inv_freq.to(self.inv_freq.device)
         return self
 
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float32)  # (b, t, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (b, t, hd)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(x.dtype), sin.to(x.dtype)
-
 
 def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (b, heads, t, hd) by cos/sin (b, t, hd). Queries and keys differ in length here, so one at a time."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (x * cos) + (rotate_half(x) * sin)
-
-
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    key_states = repeat_kv(key, module.num_key_value_groups)
-    value_states = repeat_kv(value, module.num_key_value_groups)
-    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling  # (b, h, q, k)
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            attn_weights = attn_weights.masked_fill(~attention_mask, torch.finfo(attn_weights.dtype).min)
-        else:
-            attn_weights = attn_weights + attention_mask
-    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
-    attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()  # (b, q, h, hd)
-    return attn_output, attn_weights
 
 
 class DSparkAttention(nn.Module):
@@ -270,18 +219,7 @@ class DSparkPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, Qwen3RMSNorm):
-            nn.init.ones_(module.weight)
-        elif isinstance(module, DSparkRotaryEmbedding):
-            inv_freq, _ = module.compute_inv_freq(module.config, device=module.inv_freq.device)
-            module.inv_freq.copy_(inv_freq)
+        super()._init_weights(module)  # linear, embedding and norm weights, RoPE frequencies
         if isinstance(module, DSparkVanillaMarkovHead):
             nn.init.normal_(module.markov_w1.weight, mean=0.0, std=0.01)
         if isinstance(module, DSparkDraftModel):
@@ -381,6 +319,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     ) -> torch.Tensor:
         """Block rows through every layer, each reading its context K/V -> normalized rows (b, q, d)."""
         rope = self.rotary_emb(hidden, positions)
+        if attention_mask is not None and self.config._attn_implementation == "eager":  # eager adds its mask
+            blocked = torch.full(attention_mask.shape, torch.finfo(hidden.dtype).min, dtype=hidden.dtype, device=hidden.device)
+            attention_mask = blocked.masked_fill_(attention_mask, 0.0)
         for layer, layer_context_kv in zip(self.layers, context_kv):
             hidden = layer(hidden, rope, layer_context_kv, attention_mask, cache)
         return self.norm(hidden)
@@ -604,7 +545,6 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def new_context_cache(self) -> DSparkContextCache:
         """An empty context cache for one generation (the candidate generator's)."""
         return DSparkContextCache()
-
 
 
 __all__ = ["DSparkContextCache", "DSparkDraftModel", "DSparkDraftOutput", "DSparkPreTrainedModel",

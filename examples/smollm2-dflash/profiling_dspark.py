@@ -199,7 +199,6 @@ def _store_json(record: dict[str, Any], path: str, what: str) -> None:
         logger.warning(f"DSpark could not store {what} at {path} ({error}); it is not kept for later processes.")
 
 
-
 DRAFTER_DTYPE_FORMAT = "dspark-drafter-dtype/1"
 
 
@@ -226,8 +225,8 @@ BATCH_PROFILE_FORMAT = "dspark-batch-verify-profile/2"  # /2: widths measured sp
 BATCH_PROFILE_SIZES = (1, 4, 16)  # batch sizes measured; others are interpolated (beyond: proportional)
 BATCH_PROFILE_WIDTHS = (0, 1, 3, 7)  # widths measured (capped at the drafter's block); others are interpolated
 BATCH_PROFILE_CONTEXT = 64  # short: a batch's prefill of long contexts would cost more than the timings
-# The prior t(B, w): each token of a pass costs this fraction of a one-token step. Measured on a 2-core EPYC (1
-# thread): 0.016-0.02 in bf16 with bf16 matmul units, 0.037-0.04 in fp32, and 0.4 at batch 1 in bf16 without the
+# The prior shape of a pass where none is measured, 1 + slope · (tokens − 1): each token of a pass costs this fraction
+# of a one-token step. Measured on a 2-core EPYC (1 thread): 0.016-0.02 in bf16 with bf16 matmul units, 0.037-0.04 in fp32, and 0.4 at batch 1 in bf16 without the
 # units (AVX2-capped: bf16 is converted for every matmul); an accelerator's pass stays memory-bound far longer.
 PRIOR_TOKEN_SLOPES = {"bf16 native": 0.02, "fp32": 0.04, "half emulated": 0.4, "accelerator": 0.005}
 
@@ -267,15 +266,13 @@ def batch_profile_key(target: PreTrainedModel) -> dict[str, str]:
     return {**verify_profile_key(target), "axis": "batch"}
 
 
-def batch_verify_profile(target: PreTrainedModel, max_drafts: int) -> DSparkBatchVerifyProfile:
-    """The stored batch profile for this target, device, dtype and torch (`dspark-hf profile --batch-sizes`) unless
-    it was too noisy, else the prior shape (never measured on the call): the batch width schedule learns the level
-    live either way."""
+def batch_verify_profile(target: PreTrainedModel, max_drafts: int) -> DSparkBatchVerifyProfile | None:
+    """The stored batch profile for this target, device, dtype and torch (`dspark-hf profile --batch-sizes`), or None
+    (none stored, too noisy, or too narrow): the live profile's prior shape serves then, and its level is learned live
+    either way."""
     key = batch_profile_key(target)
     profile = _read_stored_profile(verify_profile_path(key), key, DSparkBatchVerifyProfile)
-    if profile is None or profile.noisy or profile.max_drafts < max_drafts:  # a noisy table would mislead the shape
-        profile = prior_batch_verify_profile(key, max_drafts)
-    return profile
+    return None if profile is None or profile.noisy or profile.max_drafts < max_drafts else profile
 
 
 def prior_token_slope(key: dict[str, str]) -> float:
@@ -286,16 +283,6 @@ def prior_token_slope(key: dict[str, str]) -> float:
         return PRIOR_TOKEN_SLOPES["fp32"]
     native = key["dtype"] == "bfloat16" and "bf16 native" in key["device_name"]
     return PRIOR_TOKEN_SLOPES["bf16 native" if native else "half emulated"]
-
-
-def prior_batch_verify_profile(key: dict[str, str], max_drafts: int) -> DSparkBatchVerifyProfile:
-    """t(B, w) ∝ 1 + slope · (B(w + 1) − 1): a pass costs a fixed part plus a part per token, the slope as measured
-    for this kind of device and dtype (`prior_token_slope`); the batch width schedule learns the level live."""
-    widths = sorted({min(w, max_drafts) for w in BATCH_PROFILE_WIDTHS} | {max_drafts})
-    slope = prior_token_slope(key)
-    times = [[1.0 + slope * (size * (width + 1) - 1) for width in widths] for size in BATCH_PROFILE_SIZES]
-    return DSparkBatchVerifyProfile(key, list(BATCH_PROFILE_SIZES), widths, BATCH_PROFILE_CONTEXT, times,
-                                    [[0.0] * len(widths) for _ in times])
 
 
 __all__ = ["DSparkBatchVerifyProfile", "DSparkVerifyProfile", "batch_verify_profile", "drafter_dtype_path",
