@@ -39,7 +39,7 @@ from .flags import non_negative_int, positive_int, probability
 from .metrics import brier_score, per_position_acceptance, survival, tau
 from .progress import add_progress_argument, progress as progress_bar
 from .prompts import DEFAULT_PROMPT_SOURCES, encode_batches, encode_prompt, held_out_prompts
-from .remote_code.generation_dspark import DSparkGenerationStats
+from .remote_code.generation_dspark import PER_ROUND_STATS, SUMMED_STATS, DSparkGenerationStats
 from .reporting import emit_report, machine_description, set_threads
 from .rollouts import offline_acceptance, rollouts_from_blocks
 from .targets import add_target_argument, check_drafter_dir, load_target, resolve_target
@@ -122,7 +122,7 @@ def online_metrics(target, tokenizer, drafter, prompts: list[list[dict]], max_ne
         plain_tokens, plain_time = plain_tokens + plain.numel(), plain_time + t_plain
         spec_tokens, spec_time = spec_tokens + spec.numel(), spec_time + t_spec
         identical.append(bool(plain.shape == spec.shape and torch.equal(plain, spec)))
-    merged = DSparkGenerationStats.merged(stats)
+    merged = merged_stats(stats)
     summary = {**merged.to_dict(), **live_acceptance(merged)}
     summary.update(
         mode="sampling T=1" if do_sample else "greedy",
@@ -197,10 +197,23 @@ def live_acceptance(stats) -> dict[str, Any]:
     }
 
 
+def merged_stats(stats_list) -> DSparkGenerationStats:
+    """One record over several generate calls' `last_generation_stats`: rounds concatenated, times and counters
+    summed."""
+    merged = DSparkGenerationStats(num_draft_tokens=stats_list[0].num_draft_tokens)
+    for stats in stats_list:
+        for name in PER_ROUND_STATS:
+            getattr(merged, name).extend(getattr(stats, name))
+        for name in SUMMED_STATS:
+            setattr(merged, name, getattr(merged, name) + getattr(stats, name))
+        merged.packed = stats.packed if merged.packed is None else merged.packed
+    return merged
+
+
 def live_acceptance_over_calls(stats_list) -> dict[str, Any]:
     """`live_acceptance` of several generate calls taken together (their stats merged): one drafter's live numbers
     over a set of prompts, reported alike by `eval` and `bench`."""
-    return live_acceptance(DSparkGenerationStats.merged(stats_list))
+    return live_acceptance(merged_stats(stats_list))
 
 
 def live_curve(live: dict[str, Any]) -> dict[str, list]:

@@ -32,7 +32,7 @@ DEFAULT_DRAFTER = Path(__file__).resolve().parent / "smollm2-dspark"
 
 def run_demo(target, tokenizer, drafter, prompts: list[list[dict]], max_new_tokens: int = 64, log=print) -> dict:
     """Answer every prompt plainly and with the drafter (same process, alternating); return the comparison."""
-    from dspark_hf.remote_code.generation_dspark import DSparkGenerationStats
+    from dspark_hf.evaluation import merged_stats
     from dspark_hf.prompts import encode_prompt
     from dspark_hf.timing import timed_generate
 
@@ -54,7 +54,7 @@ def run_demo(target, tokenizer, drafter, prompts: list[list[dict]], max_new_toke
         log(f"  DSpark        ({spec.numel() / t_spec:5.1f} tok/s): {tokenizer.decode(spec, skip_special_tokens=True)!r}")
         log(f"  identical: {'yes' if identical else 'NO'}   τ = {s.mean_accepted_length:.2f} tokens/round "
             f"over {s.rounds} rounds, {sum(s.drafted) / max(s.rounds, 1):.2f} drafts/round")
-    merged = DSparkGenerationStats.merged(stats)
+    merged = merged_stats(stats)
     result = {
         "identical": bool(all_identical),
         "tau": merged.mean_accepted_length,

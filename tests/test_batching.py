@@ -379,10 +379,10 @@ def test_hardware_width_probes_again_when_half_the_rows_have_left():
 
 
 def test_threshold_and_verify_cost_widths_follow_the_rows():
-    threshold = scheduling_dspark.DSparkConfidenceSchedule(threshold=0.5)
+    threshold = scheduling_dspark.DSparkDraftSchedule(threshold=0.5)
     rows = [torch.tensor([0.9, 0.3])] * 7  # the first row's survival 0.9^n falls below 0.5 after five drafts
     assert chosen_width(threshold, rows) == 6
-    verify_cost = scheduling_dspark.DSparkConfidenceSchedule(verify_cost=0.2)
+    verify_cost = scheduling_dspark.DSparkDraftSchedule(verify_cost=0.2)
     verify_cost.batch_size = 2
     assert 0 < chosen_width(verify_cost, rows) < 7
 

@@ -32,7 +32,7 @@ from .context_cache_dspark import DSparkContextCache
 from .generation_dspark import DSparkCandidateGenerator, DSparkGenerationStats
 from .modeling_dspark import DSparkDraftModel, DSparkDraftOutput, check_checkpoint_shapes
 from .routing_dspark import DSPARK_STOPPING_ATTRIBUTE, install_dspark_routing
-from .scheduling_dspark import DSparkDraftSchedule, draft_schedule
+from .scheduling_dspark import DSparkDraftSchedule
 from .settings_dspark import DSparkDraftingState, default_drafting_config, with_default_drafting
 from .token_choice_dspark import DSparkTokenChooser, sampling_warpers
 
@@ -114,7 +114,7 @@ class DSparkForDrafting(DSparkDraftModel):
         Sampling draws each x_n from q_n = softmax(processed(U_n + bias(prev))), scattered to the target vocab; the
         processed target-vocab logits are returned so rejection sampling uses exactly that q. A `schedule` may end
         the block early from the calibrated confidences; `confidence_threshold` / `verify_cost` build the threshold
-        and verify-cost schedules (see `draft_schedule`).
+        and verify-cost schedules (see `DSparkDraftSchedule`).
         """
         anchor = torch.as_tensor(anchor_id, device=self.fc.weight.device).reshape(1)
         if logits_processor is None and do_sample:
@@ -122,7 +122,7 @@ class DSparkForDrafting(DSparkDraftModel):
         sequence = input_ids if input_ids is not None else anchor.reshape(1, 1)
         chooser = DSparkTokenChooser(self.draft_to_target_ids, self.config.vocab_size, do_sample, logits_processor,
                                      sequence, generator)
-        schedule = schedule if schedule is not None else draft_schedule(confidence_threshold, verify_cost)
+        schedule = schedule if schedule is not None else DSparkDraftSchedule(confidence_threshold, verify_cost)
         return self.draft(cache, anchor, self.num_draft_tokens if num_drafts is None else num_drafts, chooser, schedule)
 
     # --------------------------------------------------------------------------------------------------------------

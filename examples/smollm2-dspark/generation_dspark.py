@@ -127,18 +127,6 @@ class DSparkGenerationStats:
             **{name: getattr(self, name) for name in SUMMED_STATS},
         }
 
-    @classmethod
-    def merged(cls, stats_list: list["DSparkGenerationStats"]) -> "DSparkGenerationStats":
-        """One record over several generate calls: rounds concatenated, times and counters summed."""
-        merged = cls(num_draft_tokens=stats_list[0].num_draft_tokens)
-        for stats in stats_list:
-            for name in PER_ROUND_STATS:
-                getattr(merged, name).extend(getattr(stats, name))
-            for name in SUMMED_STATS:
-                setattr(merged, name, getattr(merged, name) + getattr(stats, name))
-            merged.packed = stats.packed if merged.packed is None else merged.packed
-        return merged
-
 
 # ------------------------------------------------------------------------------------------------------------------
 # The candidate generator: one verify round at a time

@@ -8,7 +8,7 @@ interface serves both drivers (one row is a batch of one): `start`/`admit`/`fini
 many of the drafted positions each row verifies), `should_skip` (the drafter rests this round) and `observe_round`
 (what the round did, learned from where the schedule learns). The simple schedules' hooks do nothing.
 
-Reading order: the interface and the fixed schedule → threshold and verify cost → the hardware-aware schedule (the
+Reading order: the interface with the fixed, threshold and verify-cost schedules → the hardware-aware schedule (the
 DSpark paper's scheduler, priced by a round-cost model of `live_profiling_dspark.py`) → choosing a schedule → the
 drafter back-off → prompt-lookup drafts.
 """
@@ -21,8 +21,12 @@ import torch
 
 
 class DSparkDraftSchedule:
-    """Fixed length: every row drafts every position of the block. `survivals[n-1]` holds a_{r,n} = Π_{i≤n} c_{r,i}
-    of each row for the positions admitted so far."""
+    """Fixed length: every row drafts every position of the block; with a `threshold`, while some row's survival
+    a_{r,n} stays at or above it; with a `verify_cost`, while position n raises the expected committed tokens per unit
+    of verify cost: with E = Σ_rows (1 + Σ a_{r,i}) over the admitted positions and C = 1 + verify_cost · (positions
+    admitted), admit n when (E + Σ_r a_{r,n}) / (C + verify_cost) > E / C (`verify_cost`: one more verified token per
+    row relative to a whole verify pass). `survivals[n-1]` holds a_{r,n} = Π_{i≤n} c_{r,i} of each row for the
+    positions admitted so far."""
 
     prices_rounds = False  # True: rounds are priced in seconds (prompt lookup competes; the learned bias is kept)
     packed = False  # True: the round is verified packed, each row's own tokens, so a row's drafts cost that row alone
@@ -30,13 +34,26 @@ class DSparkDraftSchedule:
     context_length = 0  # committed tokens (cache columns) before the block, set by the driver
     bias = 0.0  # online confidence logit bias, carried between generate calls when the schedule learns one
 
+    def __init__(self, threshold: float | None = None, verify_cost: float | None = None):
+        self.threshold = -math.inf if threshold is None else threshold
+        self.verify_cost = verify_cost
+
     def start(self) -> None:
         """Called once at the start of each block."""
         self.survivals: list[list[float]] = []
+        self.expected, self.cost = float(self.batch_size), 1.0
 
     def admit(self, confidences: torch.Tensor) -> bool:
         """Position n's calibrated c_{·,n} (rows,) -> True: the rows draft position n; False: the block ends."""
-        self.survivals.append(self._next_survival(confidences.double().tolist()))
+        survival = self._next_survival(confidences.double().tolist())
+        if max(survival) < self.threshold:
+            return False
+        if self.verify_cost is not None:
+            gained = sum(survival)
+            if (self.expected + gained) / (self.cost + self.verify_cost) <= self.expected / self.cost:
+                return False
+            self.expected, self.cost = self.expected + gained, self.cost + self.verify_cost
+        self.survivals.append(survival)
         return True
 
     def _next_survival(self, confidences: list[float]) -> list[float]:
@@ -67,41 +84,6 @@ class DSparkDraftSchedule:
         (None: no measure of a round) and the verify time. Returns (Σ predicted c, accepted, reached) over the drafts
         verification reached where the schedule learns from them (not from drafts it did not choose: `recalibrate`)."""
         return None
-
-
-class DSparkConfidenceSchedule(DSparkDraftSchedule):
-    """Draft position n while some row's survival a_{r,n} stays at or above `threshold` (None: no threshold) and, with
-    a `verify_cost`, while it raises the expected committed tokens per unit of verify cost: with E = Σ_rows (1 + Σ
-    a_{r,i}) over the admitted positions and C = 1 + verify_cost · (positions admitted), admit n when
-    (E + Σ_r a_{r,n}) / (C + verify_cost) > E / C. `verify_cost` is one more verified token per row relative to a
-    whole verify pass."""
-
-    def __init__(self, threshold: float | None = None, verify_cost: float | None = None):
-        self.threshold = -math.inf if threshold is None else threshold
-        self.verify_cost = verify_cost
-
-    def start(self) -> None:
-        super().start()
-        self.expected, self.cost = float(self.batch_size), 1.0
-
-    def admit(self, confidences: torch.Tensor) -> bool:
-        survival = self._next_survival(confidences.double().tolist())
-        if max(survival) < self.threshold:
-            return False
-        if self.verify_cost is not None:
-            gained = sum(survival)
-            if (self.expected + gained) / (self.cost + self.verify_cost) <= self.expected / self.cost:
-                return False
-            self.expected, self.cost = self.expected + gained, self.cost + self.verify_cost
-        self.survivals.append(survival)
-        return True
-
-
-def draft_schedule(confidence_threshold: float | None = None, verify_cost: float | None = None) -> DSparkDraftSchedule:
-    """The schedule that the `confidence_threshold` / `verify_cost` settings describe (fixed length if neither)."""
-    if confidence_threshold is None and verify_cost is None:
-        return DSparkDraftSchedule()
-    return DSparkConfidenceSchedule(confidence_threshold, verify_cost)
 
 
 class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
@@ -276,9 +258,9 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
 
 def make_schedule(settings, do_sample: bool, costs) -> DSparkDraftSchedule:
     """The schedule the drafting settings ask for: threshold / verify cost when set; else the hardware-aware schedule,
-    priced by `costs()` (a round-cost model, built only here); else fixed length."""
+    priced by `costs()` (a round-cost model, built only here); else fixed length (`DSparkDraftSchedule`)."""
     if not settings.hardware:
-        return draft_schedule(settings.confidence_threshold, settings.verify_cost)
+        return DSparkDraftSchedule(settings.confidence_threshold, settings.verify_cost)
     # greedy verification is exact for any proposal, so the schedule may choose the length after seeing the block
     return DSparkHardwareAwareSchedule(costs(), settings.num_drafts, settings.min_gain, settings.lookahead and not do_sample)
 
@@ -343,5 +325,5 @@ class DSparkPromptLookup:
         self.counts[ngram][1] += min(num_drafted, num_accepted + 1)
 
 
-__all__ = ["DSparkConfidenceSchedule", "DSparkDraftSchedule", "DSparkDrafterBackoff", "DSparkHardwareAwareSchedule",
-           "DSparkPromptLookup", "draft_schedule", "make_schedule"]
+__all__ = ["DSparkDraftSchedule", "DSparkDrafterBackoff", "DSparkHardwareAwareSchedule", "DSparkPromptLookup",
+           "make_schedule"]
