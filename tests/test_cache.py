@@ -149,7 +149,9 @@ def test_resume_after_kill_9_of_the_cli(tiny, tokenizer, conversations, tmp_path
                 "--output", str(out), "--aux-layers", "1,2,3", "--split", "all", "--shard-size", "5", "--batch-size", "2",
                 "--target-dtype", "float32"]
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    # The CLI runs on this process's thread count: fp32 sums can split differently across threads on some CPUs.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}
     killed = tmp_path / "killed"
     process = subprocess.Popen(command(killed), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120

@@ -159,8 +159,13 @@ def launch_world(tiny, tokenizer, tmp_path_factory):
     (root / "data.jsonl").write_text("".join(json.dumps({"id": f"{c['id']}#{k}", "messages": c["messages"]}) + "\n"
                                              for k in range(2) for c in convs[:32]))
     model = LlamaForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()  # named as the CLI names it
-    build_cache(model, tokenizer, read_jsonl(root / "data.jsonl"), root / "reference", AUX, shard_size=4, batch_size=2,
-                progress=False, log=lambda *a: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each launched worker runs: fp32 sums can split differently across threads
+    try:
+        build_cache(model, tokenizer, read_jsonl(root / "data.jsonl"), root / "reference", AUX, shard_size=4,
+                    batch_size=2, progress=False, log=lambda *a: None)
+    finally:
+        torch.set_num_threads(threads)
     return root
 
 
