@@ -118,7 +118,7 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         return self.min_gain * seconds if width or with_drafter else seconds
 
     def start(self) -> None:
-        super().start()
+        self.survivals = []
         self._costs = [self.priced(0, False)] + [self.priced(w) for w in range(1, self.max_drafts + 1)]
         self._expected = [float(self.batch_size)]  # E_w for w = 0, 1, ...
         self._admitted: list[list[float]] = []  # recalibrated c_{·,n} of the admitted positions
@@ -230,8 +230,9 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
 
     def observe_round(self, counts, accepted, drafter_ran, draft_s, verify_s, recalibrate=True):
         counts, accepted = counts.tolist(), accepted.tolist()
-        self.costs.observe(self._round_width(counts), self.batch_size, self.context_length, drafter_ran, draft_s,
-                           verify_s)
+        if drafter_ran and draft_s is not None:
+            self.costs.observe_drafter(self.batch_size, draft_s)
+        self.costs.observe(self._round_width(counts), self.context_length, verify_s, self.batch_size)
         return self._recalibrate(counts, accepted) if recalibrate and drafter_ran else None
 
     def _round_width(self, counts: list[int]) -> float:

@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.utils import logging
 
-from .live_profiling_dspark import DSparkLiveVerifyProfile, DSparkRoundCosts, live_verify_profile
+from .live_profiling_dspark import DSparkLiveVerifyProfile, live_verify_profile
 from .profiling_dspark import DSparkBatchVerifyProfile, DSparkVerifyProfile, batch_profile_key, stored_drafter_dtype, verify_profile_key
 
 logger = logging.get_logger(__name__)
@@ -173,7 +173,7 @@ class DSparkDraftingState:
     def last_stats(self, stats: "DSparkGenerationStats | None"):
         self._stats_by_thread[threading.current_thread()] = self._newest_stats = stats
 
-    def round_costs_for(self, target: PreTrainedModel, max_drafts: int, sampling: bool = False) -> DSparkRoundCosts:
+    def round_costs_for(self, target: PreTrainedModel, max_drafts: int, sampling: bool = False) -> DSparkLiveVerifyProfile:
         """What rounds cost, one row or many: the live profile kept from call to call (the profiles set here where they
         belong to this target, device, dtype and torch, else the stored shapes refined live; never measured on the
         call), and the drafter's running time."""
@@ -184,7 +184,7 @@ class DSparkDraftingState:
         if (live is None or live.key != key or live.max_drafts < max_drafts or live.frozen != (mine is not None)
                 or (mine is not None and live.prior is not mine) or (batch is not None and live.batch_prior is not batch)):
             live = self.live_verify_profiles[sampling] = live_verify_profile(target, max_drafts, mine, batch, sampling)
-        return DSparkRoundCosts(live)
+        return live
 
 
 __all__ = ["DEFAULT_DRAFTING", "DSparkDraftingSettings", "DSparkDraftingState", "default_drafting_config",

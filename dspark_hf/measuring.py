@@ -18,9 +18,9 @@ from .remote_code.profiling_dspark import (
     PROFILE_CONTEXT_LENGTHS,
     DSparkBatchVerifyProfile,
     DSparkVerifyProfile,
-    _store_json,
     batch_profile_key,
     drafter_dtype_path,
+    store_json,
     verify_profile_key,
 )
 from .timing import synchronize
@@ -126,7 +126,7 @@ def store_drafter_dtype(target: PreTrainedModel, dtype: str, tokens_per_s: dict[
     path = drafter_dtype_path(target)
     record = {"format": DRAFTER_DTYPE_FORMAT, "key": verify_profile_key(target), "drafter_dtype": dtype,
               "tokens_per_s": tokens_per_s}
-    _store_json(record, path, "the drafter dtype")
+    store_json(record, path, "the drafter dtype")
     return path
 
 

@@ -16,7 +16,7 @@ import torch
 
 from .flags import positive_int
 from .measuring import measure_batch_verify_profile, measure_verify_profile, store_drafter_dtype
-from .remote_code.profiling_dspark import store_verify_profile, verify_profile_path
+from .remote_code.profiling_dspark import store_json, verify_profile_path
 from .progress import timed
 from .reporting import emit_report, machine_description
 from .targets import add_target_argument, check_drafter_dir, load_target, load_target_model
@@ -33,13 +33,13 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     with timed(f"profile: measuring t(k) for k = 0..{args.max_drafts} at contexts {args.contexts}"):
         measured = measure_verify_profile(target, args.max_drafts, tuple(args.contexts), args.repeats)
     path = verify_profile_path(measured.key)
-    store_verify_profile(measured, path)
+    store_json(measured.to_dict(), path)
     report = {"path": path, **measured.to_dict()}
     if args.batch_sizes:  # the batch axis t(B, w) of batched generation
         with timed(f"profile: measuring t(B, w) for B in {sorted(set(args.batch_sizes))}"):
             batch = measure_batch_verify_profile(target, args.max_drafts, tuple(sorted(set(args.batch_sizes))))
         report["batch"] = {"path": verify_profile_path(batch.key), **batch.to_dict()}
-        store_verify_profile(batch, report["batch"]["path"])
+        store_json(batch.to_dict(), report["batch"]["path"])
     if args.drafter:
         del target
         report["recommendation"] = recommend(args)

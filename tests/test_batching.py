@@ -20,7 +20,7 @@ from test_scheduling import drafted
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from dspark_hf.remote_code import batch_rows_dspark, batching_dspark, profiling_dspark, scheduling_dspark
-from dspark_hf.remote_code.live_profiling_dspark import DSparkLiveVerifyProfile, DSparkRoundCosts
+from dspark_hf.remote_code.live_profiling_dspark import DSparkLiveVerifyProfile
 from dspark_hf.remote_code.profiling_dspark import DSparkBatchVerifyProfile
 
 PROMPTS = [[1, 17, 42, 9], [1, 5, 5, 5, 60, 61, 62, 30, 11], [1, 88, 3, 77, 14, 50], [1, 30], [1, 7, 7, 7, 7, 7, 7],
@@ -284,7 +284,7 @@ def batch_profile(slope: float, sizes=(1, 4, 16), widths=(0, 1, 3, 7)) -> DSpark
 def hardware_width(profile: DSparkBatchVerifyProfile, lookahead: bool = False):
     """The hardware-aware schedule of a batch, priced by this batch profile."""
     live = DSparkLiveVerifyProfile({"target": "synthetic"}, 7, batch_prior=profile)
-    return scheduling_dspark.DSparkHardwareAwareSchedule(DSparkRoundCosts(live), 7, lookahead=lookahead)
+    return scheduling_dspark.DSparkHardwareAwareSchedule(live, 7, lookahead=lookahead)
 
 
 def chosen_width(schedule, confidences: list[torch.Tensor]) -> int:
@@ -333,8 +333,8 @@ def test_live_costs_take_their_level_from_the_first_pass_and_price_an_untried_ba
     assert live.verify_time(0, 64, 8) == pytest.approx(0.08)
     assert live.verify_time(3, 64, 8) == pytest.approx(0.08 * 1.5)
     assert live.verify_time(0, 64, 16) == pytest.approx(0.08 / 3 * 5)  # never run: batch 8's level, 16's shape
-    assert DSparkRoundCosts(live).needs_plain_step(32) and not DSparkRoundCosts(live).needs_plain_step(8)
-    assert not DSparkRoundCosts(live).needs_plain_step(1)  # one row drafts from its first round
+    assert live.needs_plain_step(32) and not live.needs_plain_step(8)
+    assert not live.needs_plain_step(1)  # one row drafts from its first round
 
 
 def test_prior_batch_profile_prices_a_token_by_device_and_dtype():
@@ -355,10 +355,10 @@ def test_a_noisy_stored_batch_profile_gives_way_to_the_prior(tmp_path, monkeypat
     monkeypatch.setattr(profiling_dspark, "verify_profile_path", lambda key: str(tmp_path / "batch.json"))
     measured = batch_profile(0.5)
     measured.key = profiling_dspark.batch_profile_key(target)
-    profiling_dspark.store_verify_profile(measured, str(tmp_path / "batch.json"))
+    profiling_dspark.store_json(measured.to_dict(), str(tmp_path / "batch.json"))
     assert profiling_dspark.batch_verify_profile(target, 7).verify_time_s == measured.verify_time_s
     measured.noisy = True
-    profiling_dspark.store_verify_profile(measured, str(tmp_path / "batch.json"))
+    profiling_dspark.store_json(measured.to_dict(), str(tmp_path / "batch.json"))
     assert profiling_dspark.batch_verify_profile(target, 7) is None
 
 
@@ -367,7 +367,7 @@ def test_hardware_width_probes_again_when_half_the_rows_have_left():
     drafter rests on; once half the rows have left, it probes again."""
     schedule = hardware_width(batch_profile(3.0))
     for size in (8, 7, 4):
-        schedule.costs.profile.observe(0, 64, 1.0, rows=size)
+        schedule.costs.observe(0, 64, 1.0, rows=size)
     schedule.batch_size = 8
     schedule.should_skip()
     for _ in range(2):  # two rounds that drafted nothing: the drafter rests two rounds
@@ -508,7 +508,7 @@ def test_row_lengths_rank_candidates_by_survival_and_sampling_decides_left_to_ri
     def lengths_for(confidences: list[list[float]], lookahead: bool) -> torch.Tensor:
         schedule = hardware_width(profile, lookahead=lookahead)
         schedule.packed, schedule.batch_size = True, 3
-        schedule.costs.profile.observe(0, 64, profile.verify_time(3, 0), rows=3)  # priced as the profile says
+        schedule.costs.observe(0, 64, profile.verify_time(3, 0), rows=3)  # priced as the profile says
         schedule.start()
         schedule.survivals = torch.tensor(confidences, dtype=torch.float64).cumprod(dim=0).tolist()  # per position
         return schedule.row_lengths(len(confidences), 3)

@@ -28,11 +28,10 @@ from dspark_hf.remote_code.live_profiling_dspark import DSparkLiveVerifyProfile
 from dspark_hf.remote_code.settings_dspark import DSparkDraftingSettings
 from dspark_hf.remote_code.profiling_dspark import (
     DSparkVerifyProfile,
-    store_verify_profile,
+    store_json,
     verify_profile_key,
     verify_profile_path,
 )
-from dspark_hf.remote_code.live_profiling_dspark import DSparkRoundCosts
 from dspark_hf.remote_code.scheduling_dspark import (
     DSparkDrafterBackoff,
     DSparkHardwareAwareSchedule,
@@ -65,16 +64,16 @@ def row_schedule(profile: DSparkLiveVerifyProfile, draft_time_s: float | None = 
     """The hardware-aware schedule of one row, priced by this live profile and a drafter time."""
     if draft_time_s is not None:
         profile.draft_time_s[1] = draft_time_s
-    return DSparkHardwareAwareSchedule(DSparkRoundCosts(profile), **kwargs)
+    return DSparkHardwareAwareSchedule(profile, **kwargs)
 
 
 def pinned_draft_time(seconds: float):
-    """`DSparkRoundCosts.observe` with one row's drafter time pinned at `seconds`: what else it learns is learned as
-    ever (a batch's drafter time and verify passes; one row's passes are priced as its profile says when one is set)."""
-    original = DSparkRoundCosts.observe
+    """`DSparkLiveVerifyProfile.observe` (each round's last word) with one row's drafter time pinned at `seconds`: what
+    else it learns is learned as ever (a batch's drafter time and verify passes)."""
+    original = DSparkLiveVerifyProfile.observe
 
-    def observe(self, width, rows, context_length, drafter_ran, draft_s, verify_s):
-        original(self, width, rows, context_length, drafter_ran, draft_s, verify_s)
+    def observe(self, num_drafts, context_length, verify_s, rows=1):
+        original(self, num_drafts, context_length, verify_s, rows)
         if rows == 1:
             self.draft_time_s[1] = seconds
     return observe
@@ -182,8 +181,8 @@ def test_schedule_follows_the_context_length_and_the_live_verify_speed():
     assert drafted(schedule, [0.8] * 7) == 7
     for _ in range(40):  # verify passes now run 10× faster than profiled: the same drafter time weighs 10× more
         observe(schedule, 0, 0, verify_s=0.1, drafter_ran=False)
-    assert schedule.costs.profile.verify_time(0, 16) == pytest.approx(0.1, rel=1e-2)
-    assert schedule.costs.profile.verify_time(7, 16) == pytest.approx(0.107, rel=1e-2)  # k unseen: its neighbours' ratio
+    assert schedule.costs.verify_time(0, 16) == pytest.approx(0.1, rel=1e-2)
+    assert schedule.costs.verify_time(7, 16) == pytest.approx(0.107, rel=1e-2)  # k unseen: its neighbours' ratio
     schedule.start()
     assert drafted(schedule, [0.8] * 7) == 0
 
@@ -317,7 +316,7 @@ def test_every_priced_round_is_reported_with_what_it_took(monkeypatch):
     refused are not priced (the schedule never chooses them). `eval`/`bench` report the medians of priced / took."""
     from dspark_hf.evaluation import live_acceptance
 
-    monkeypatch.setattr(DSparkRoundCosts, "observe", pinned_draft_time(0.25))
+    monkeypatch.setattr(DSparkLiveVerifyProfile, "observe", pinned_draft_time(0.25))
     target = make_tiny_target("llama")
     drafter = scheduled_drafter(target, [1.0 + 0.05 * k for k in range(6)])
     greedy(target, PROMPTS[0], max_new_tokens=16, eos_token_id=None, assistant_model=drafter)
@@ -367,7 +366,7 @@ def test_greedy_lookahead_proposes_fewer_than_it_drafted_and_stays_token_identic
     monkeypatch.setattr(DSparkHardwareAwareSchedule, "finish", finish)
     # the costs are the profile's and a fixed draft time, not the live timings, so the choices depend on the
     # confidences alone, not on how busy the machine is
-    monkeypatch.setattr(DSparkRoundCosts, "observe", pinned_draft_time(DRAFT_TIME_S))
+    monkeypatch.setattr(DSparkLiveVerifyProfile, "observe", pinned_draft_time(DRAFT_TIME_S))
     for prompt in PROMPTS:
         expected = greedy(target, prompt, max_new_tokens=24, eos_token_id=None)
         assert torch.equal(greedy(target, prompt, max_new_tokens=24, eos_token_id=None, assistant_model=drafter), expected)
@@ -680,13 +679,13 @@ def test_first_call_measures_nothing_learns_from_its_rounds_and_the_next_process
 def test_a_stored_measured_profile_shapes_the_live_one_and_live_rounds_correct_it(profile_home):
     target = make_tiny_target("llama")
     key = verify_profile_key(target)
-    store_verify_profile(linear_profile(1.0, 5, key=key), verify_profile_path(key))
+    store_json(linear_profile(1.0, 5, key=key).to_dict(), verify_profile_path(key))
     live = live_profiling_dspark.live_verify_profile(target, 5)
     assert not live.noisy() and live.verify_time(3, 16) == pytest.approx(4.0)
     for _ in range(10):  # one-draft rounds cost 3 steps here, not the profile's 2
         live.observe(1, 16, 6.0)
     assert live.verify_time(1, 16) == pytest.approx(6.0) and live.verify_time(5, 16) == pytest.approx(18.0)
-    store_verify_profile(linear_profile(0.5, 5, key=key), verify_profile_path(key))  # re-measured: start over
+    store_json(linear_profile(0.5, 5, key=key).to_dict(), verify_profile_path(key))  # re-measured: start over
     assert live_profiling_dspark.live_verify_profile(target, 5).counts == {}
 
 
@@ -740,7 +739,7 @@ def test_profile_identity_covers_dtype_and_target():
         patch.setattr(live_profiling_dspark, "_read_stored_profile", lambda path, k: linear_profile(9.0, 5, key=key))
         settings = dataclasses.replace(DSparkDraftingSettings.from_drafter(drafter), num_drafts=5)
         schedule = make_schedule(settings, False, lambda: drafter.drafting_state.round_costs_for(target, settings.num_drafts))
-    assert schedule.costs.profile.key == key and schedule.costs.profile.verify_time(1, 16) == 10.0
+    assert schedule.costs.key == key and schedule.costs.verify_time(1, 16) == 10.0
 
 
 def test_profile_command_measures_stores_and_prints_the_table(tmp_path, monkeypatch, capsys):

@@ -129,27 +129,18 @@ class DSparkForDrafting(DSparkDraftModel):
     # transformers integration: the routing hooks (`routing_dspark.py`) call this, bound to the drafter, to serve
     # `target.generate(..., assistant_model=drafter)`; its name is DSPARK_FACTORY_ATTRIBUTE.
 
-    def _dspark_candidate_generator_for_call(
-        self,
-        target: PreTrainedModel,
-        generation_config: GenerationConfig,
-        input_ids: torch.LongTensor,
-        logits_processor: LogitsProcessorList,
-        model_kwargs: dict[str, Any],
-        stopping_criteria=None,
-    ) -> DSparkCandidateGenerator:
+    def _dspark_candidate_generator_for_call(self, target: PreTrainedModel, generation_config: GenerationConfig,
+                                             input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
+                                             model_kwargs: dict[str, Any], stopping_criteria=None) -> DSparkCandidateGenerator:
         """The generator of one call, handed that call's stopping criteria (DSPARK_CALL_FACTORY_ATTRIBUTE)."""
-        return DSparkCandidateGenerator(
-            self, target, input_ids, generation_config, logits_processor, model_kwargs, stopping_criteria
-        )
+        return DSparkCandidateGenerator(self, target, input_ids, generation_config, logits_processor, model_kwargs,
+                                        stopping_criteria)
 
     def _dspark_candidate_generator_factory(self, target, generation_config, input_ids, logits_processor, model_kwargs):
         """The same for older hooks (an older checkpoint's code imported first), which set the criteria on the drafter
         for the call (DSPARK_FACTORY_ATTRIBUTE)."""
-        stopping_criteria = getattr(self, DSPARK_STOPPING_ATTRIBUTE, None)
-        return self._dspark_candidate_generator_for_call(
-            target, generation_config, input_ids, logits_processor, model_kwargs, stopping_criteria
-        )
+        return self._dspark_candidate_generator_for_call(target, generation_config, input_ids, logits_processor,
+                                                         model_kwargs, getattr(self, DSPARK_STOPPING_ATTRIBUTE, None))
 
     def _dspark_batched_decoding(self, target: PreTrainedModel, input_ids: torch.LongTensor, logits_processor,
                                  stopping_criteria, generation_config: GenerationConfig, streamer=None, **model_kwargs):

@@ -140,15 +140,12 @@ def _stops_inside_a_round(stopping_criteria: StoppingCriteriaList | None) -> Sto
 
 def check_generation_limits(generation_config: GenerationConfig, batch_size: int | None = None):
     """The limits of assisted generation, each as one clear error (transformers would silently beam-search)."""
-    if generation_config.num_beams > 1:
-        raise ValueError(
-            f"DSpark speculative decoding does not support beam search (num_beams={generation_config.num_beams}); use num_beams=1."
-        )
-    if generation_config.num_return_sequences > 1:
-        raise ValueError(
-            f"DSpark speculative decoding returns one sequence (num_return_sequences={generation_config.num_return_sequences}); "
-            "call generate repeatedly instead."
-        )
+    beams, returns = generation_config.num_beams, generation_config.num_return_sequences
+    if beams > 1:
+        raise ValueError(f"DSpark speculative decoding does not support beam search (num_beams={beams}); use num_beams=1.")
+    if returns > 1:
+        raise ValueError(f"DSpark speculative decoding returns one sequence (num_return_sequences={returns}); call "
+                         "generate repeatedly instead.")
     if batch_size is not None and batch_size != 1:
         raise ValueError(f"DSpark speculative decoding supports batch size 1, got {batch_size}; call generate once per prompt.")
 
@@ -299,15 +296,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return survivals
         return [survivals[0] ** n for n in range(1, budget + 1)]
 
-    def get_candidates(
-        self,
-        input_ids: torch.LongTensor,
-        model_kwargs: dict[str, Any] | None = None,
-        model_outputs: ModelOutput | None = None,
-        is_first_iteration: bool = False,
-        n_last_matches: int = 0,
-        **kwargs,
-    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+    def get_candidates(self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any] | None = None,
+                       model_outputs: ModelOutput | None = None, is_first_iteration: bool = False, n_last_matches: int = 0,
+                       **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
         start = time.perf_counter()
         self._last_drafted = 0
         if is_first_iteration:

@@ -2,11 +2,11 @@
 """What rounds cost, learned live from the verify passes generation runs anyway, so no call waits for a measurement.
 
 Remote-code file (imports only torch and transformers). The hardware-aware schedule (`scheduling_dspark.py`) prices
-rounds by one round-cost model for one row and many, `DSparkRoundCosts`: t(B, k) of `DSparkLiveVerifyProfile` (a
-shape from the measured profiles of `profiling_dspark.py` where `dspark-hf profile` stored them, else the prior, a
-fixed part plus `prior_token_slope` per token, times what passes of each batch size and k really cost here, stored
-every few passes under the Hugging Face cache home so the next process goes on from it) plus the drafter's running
-time. Reading order: the live profile → loading it → the round costs.
+rounds for one row and many by `DSparkLiveVerifyProfile`: t(B, k) (a shape from the measured profiles of
+`profiling_dspark.py` where `dspark-hf profile` stored them, else the prior, a fixed part plus `prior_token_slope` per
+token, times what passes of each batch size and k really cost here, stored every few passes under the Hugging Face
+cache home so the next process goes on from it) plus the drafter's running time. Reading order: the live profile →
+loading it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .profiling_dspark import (
     _read_stored_profile,
     batch_verify_profile,
     prior_token_slope,
-    store_verify_profile,
+    store_json,
     verify_profile_key,
     verify_profile_path,
 )
@@ -109,6 +109,18 @@ class DSparkLiveVerifyProfile:
     def verify_time(self, num_drafts: float, context_length: int, rows: int = 1) -> float:
         return self.shape(num_drafts, context_length, rows) * self.ratio(num_drafts, rows)
 
+    def round_cost(self, num_drafts: float, rows: int, context_length: int, with_drafter: bool) -> float:
+        """A round's seconds: its verify pass, plus the drafter's running time when the drafter ran and drafted."""
+        verify = self.verify_time(num_drafts, context_length, rows)
+        return verify + self.draft_time_s.get(rows, 0.0) if with_drafter and num_drafts else verify
+
+    def needs_plain_step(self, rows: int) -> bool:
+        """A batch size whose plain step was never timed takes one first (one row drafts from its first round)."""
+        return rows > 1 and not self.seen(rows, 0)
+
+    def observe_drafter(self, rows: int, seconds: float) -> None:
+        self.draft_time_s[rows] = smoothed(self.draft_time_s.get(rows), seconds, SMOOTHING)
+
     def observe(self, num_drafts: float, context_length: int, seconds: float, rows: int = 1) -> None:
         """One live verify pass of `num_drafts` drafts per row (the mean, packed) for `rows` rows after
         `context_length` tokens took `seconds`."""
@@ -122,7 +134,7 @@ class DSparkLiveVerifyProfile:
         ratios[k] = smoothed(ratios[k], seconds / shape, max(1.0 / counts[k], LIVE_WEIGHT))
         self.unsaved += 1
         if self.unsaved >= STORE_EVERY and self.path is not None:
-            store_verify_profile(self, self.path)
+            store_json(self.to_dict(), self.path)
             self.unsaved = 0
 
     def signature(self) -> str:
@@ -170,28 +182,4 @@ def live_verify_profile(target: PreTrainedModel, max_drafts: int, given: DSparkV
     return live
 
 
-class DSparkRoundCosts:
-    """What a round costs, for one row or many: t(B, k) of the live verify profile at this context, plus the drafter's
-    running time per batch size. A batch size whose plain step was never timed takes one first."""
-
-    def __init__(self, profile: DSparkLiveVerifyProfile):
-        self.profile, self.max_drafts, self.draft_time_s = profile, profile.max_drafts, profile.draft_time_s
-
-    def noisy(self, batch_size: int) -> bool:
-        return self.profile.noisy(batch_size)
-
-    def needs_plain_step(self, batch_size: int) -> bool:
-        return batch_size > 1 and not self.profile.seen(batch_size, 0)
-
-    def round_cost(self, width: float, batch_size: int, context_length: int, with_drafter: bool) -> float:
-        verify = self.profile.verify_time(width, context_length, batch_size)
-        return verify + self.draft_time_s.get(batch_size, 0.0) if with_drafter and width else verify
-
-    def observe(self, width: float, batch_size: int, context_length: int, drafter_ran: bool, draft_s: float | None,
-                verify_s: float) -> None:
-        if drafter_ran and draft_s is not None:
-            self.draft_time_s[batch_size] = smoothed(self.draft_time_s.get(batch_size), draft_s, SMOOTHING)
-        self.profile.observe(width, context_length, verify_s, batch_size)
-
-
-__all__ = ["DSparkLiveVerifyProfile", "DSparkRoundCosts", "live_verify_profile", "smoothed"]
+__all__ = ["DSparkLiveVerifyProfile", "live_verify_profile", "smoothed"]

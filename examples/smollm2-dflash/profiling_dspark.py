@@ -31,14 +31,18 @@ PROFILE_CONTEXT_LENGTHS = (128, 512)  # context lengths measured; others are int
 
 
 @functools.cache
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else what `platform` knows of it."""
-    fallback = platform.processor() or platform.machine() or "cpu"
+def _cpuinfo(field: str) -> str | None:
+    """The first `field` line of /proc/cpuinfo (Linux), None where there is none."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), fallback)
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith(field)), None)
     except OSError:
-        return fallback
+        return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what `platform` knows of it."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine() or "cpu"
 
 
 # Environment variables that cap the instruction set the CPU kernels use (ATen, oneDNN, MKL): a capped run is
@@ -46,19 +50,10 @@ def cpu_name() -> str:
 ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return frozenset(next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), []))
-    except OSError:
-        return frozenset()
-
-
 def bf16_matmuls_native() -> bool:
     """Whether this CPU's bf16 matmuls have hardware (AVX512-BF16 or AMX) that the kernels may use (no ISA cap)."""
     capped = any(os.environ.get(name, "").upper().startswith(("AVX2", "AVX_", "SSE")) for name in ISA_CAPS[1:])
-    has_units = bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+    has_units = bool({"avx512_bf16", "amx_bf16"} & set((_cpuinfo("flags") or "").split()))
     return has_units and torch.backends.cpu.get_cpu_capability().startswith("AVX512") and not capped
 
 
@@ -182,13 +177,9 @@ def _read_stored_profile(path: str, key: dict[str, str], kind: type = DSparkVeri
     return profile
 
 
-def store_verify_profile(profile: DSparkVerifyProfile, path: str):
-    """Write atomically; an unwritable cache home only loses the reuse, not the profile."""
-    _store_json(profile.to_dict(), path, "the verify profile")
-
-
-def _store_json(record: dict[str, Any], path: str, what: str) -> None:
-    """Write `record` under a temporary name, then rename; a failure costs one warning line."""
+def store_json(record: dict[str, Any], path: str, what: str = "the verify profile") -> None:
+    """Write `record` (a profile's `to_dict()`) under a temporary name, then rename: an unwritable cache home costs
+    one warning line and the reuse, never the profile."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         staging = f"{path}.{os.getpid()}.tmp"
@@ -286,4 +277,4 @@ def prior_token_slope(key: dict[str, str]) -> float:
 
 
 __all__ = ["DSparkBatchVerifyProfile", "DSparkVerifyProfile", "batch_verify_profile", "drafter_dtype_path",
-           "store_verify_profile", "stored_drafter_dtype", "verify_profile_key", "verify_profile_path"]
+           "store_json", "stored_drafter_dtype", "verify_profile_key", "verify_profile_path"]
