@@ -106,4 +106,10 @@ class DSparkTokenChooser:
         return full
 
 
-__all__ = ["DSparkTokenChooser", "VOCAB_AGNOSTIC_WARPERS", "sample_from", "sampling_warpers"]
+def one_hot_scores(tokens: torch.LongTensor, vocab_size: int) -> torch.Tensor:
+    """Scores (..., k, V) whose softmax is one-hot at `tokens` (..., k): the q of drafts copied rather than drawn
+    (prompt lookup), so speculative sampling accepts such a draft x with probability p(x)."""
+    return torch.full((*tokens.shape, vocab_size), float("-inf"), device=tokens.device).scatter_(-1, tokens[..., None], 0.0)
+
+
+__all__ = ["DSparkTokenChooser", "VOCAB_AGNOSTIC_WARPERS", "one_hot_scores", "sample_from", "sampling_warpers"]

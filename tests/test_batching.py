@@ -571,6 +571,95 @@ def test_packed_per_row_sampling_matches_plain_sampling_at_every_row_position():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Prompt lookup in batches: each row's own lookup drafts, priced as for one row
+
+
+def lookup_batch_drafter(target, packed: bool, ngram: int = 3, **overrides):
+    """A drafter whose own drafts never pay (c_n ≈ 0), prompt lookup on, every verified token cheap: a row's drafts
+    then come from lookup or from nowhere."""
+    drafter = per_row_drafter(target, token_cost=0.01, **overrides)
+    with torch.no_grad():
+        drafter.confidence_head.proj.bias.fill_(-12.0)
+    drafter.generation_config.dspark_packed_verification = packed
+    drafter.generation_config.dspark_lookup_ngram_size = ngram
+    return drafter
+
+
+@pytest.fixture
+def profile_prices(monkeypatch):
+    """Rounds priced by the batch profile's shape alone, without the drafter's time: the tiny models' own timings are
+    noise, and a tiny drafter costs what the tiny target costs (lookup would rarely pay)."""
+    observe = DSparkLiveVerifyProfile.observe
+    monkeypatch.setattr(DSparkLiveVerifyProfile, "observe", lambda self, k, context, seconds, rows=1: observe(
+        self, k, context, self.shape(min(round(k), self.max_drafts), context, rows), rows))
+    monkeypatch.setattr(DSparkLiveVerifyProfile, "observe_drafter", lambda self, rows, seconds: None)
+
+
+class StopAtToken(StoppingCriteria):
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_batched_greedy_with_prompt_lookup_is_token_identical(packed, profile_prices):
+    """Each row proposes what followed its own last n-gram, in place of its drafter's drafts where lookup promises
+    more, and every row is still plain batched generate's (EOS, a custom criterion and max length in the mix); what
+    lookup learned is kept on the drafter for the next call, as for one row."""
+    target = make_tiny_target("llama")
+    drafter = lookup_batch_drafter(target, packed)
+    looked_up = 0
+    for size, eos, stops in [(8, None, None), (5, 7, None), (3, None, 60), (2, 7, 62)]:
+        batch = left_padded(PROMPTS[:size])
+        options = dict(max_new_tokens=40, eos_token_id=eos)
+        if stops is not None:
+            options["stopping_criteria"] = StoppingCriteriaList([StopAtToken(stops)])
+        expected = batched_greedy(target, batch, **options)
+        assert torch.equal(batched_greedy(target, batch, assistant_model=drafter, **options), expected), (size, eos, stops)
+        stats = drafter.last_generation_stats
+        assert stats.lookup_accepted <= stats.lookup_drafted <= sum(stats.drafted)
+        looked_up += stats.lookup_drafted
+    print(f"lookup drafts: {looked_up}")
+    assert looked_up > 0 and drafter.drafting_state.lookup_counts
+    drafter.generation_config.dspark_lookup_ngram_size = 0
+    batched_greedy(target, left_padded(PROMPTS), max_new_tokens=40, eos_token_id=None, assistant_model=drafter)
+    assert drafter.last_generation_stats.lookup_rounds == 0
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_batched_sampling_with_prompt_lookup_matches_plain_sampling_at_every_row_position(packed, profile_prices):
+    """Lookup drafts carry a one-hot q in a batch too: the χ² test of every row position stays exact."""
+    target, drafter = sampling_setup("vanilla")
+    drafter.generation_config.dspark_schedule = "hardware"
+    drafter.generation_config.dspark_packed_verification = packed
+    drafter.generation_config.dspark_lookup_ngram_size = 2
+    profile = batch_profile(0.0)
+    profile.verify_time_s = [[1 + 0.01 * (size * (w + 1) - 1) for w in profile.widths] for size in profile.batch_sizes]
+    profile.key = profiling_dspark.batch_profile_key(target)
+    drafter.drafting_state.batch_verify_profile = profile
+    with torch.no_grad():
+        drafter.confidence_head.proj.bias.fill_(-12.0)
+    prompts = [[1, 3, 4, 2, 3], [1, 2, 2], [1, 3, 4, 3, 4], [1, 4, 4]]
+    batch = left_padded(prompts)
+    counts = torch.zeros(len(prompts), target.config.vocab_size, target.config.vocab_size)
+    torch.manual_seed(0)
+    for _ in range(SAMPLES):
+        out = target.generate(**batch, max_new_tokens=3, do_sample=True, temperature=1.0, top_k=0,
+                              eos_token_id=None, pad_token_id=0, assistant_model=drafter)
+        for row in range(len(prompts)):
+            counts[row, out[row, -2], out[row, -1]] += 1
+    verified = sum(reached - scheduling_dspark.DSparkPromptLookup.prior_weight
+                   for by_size in drafter.drafting_state.lookup_counts.values() for _, reached in by_size.values())
+    print(f"lookup drafts verified: {verified:.0f}")
+    assert verified > 100  # lookup drafts were verified hundreds of times
+    for row, prompt in enumerate(prompts):
+        p = chi_square_p_value(counts[row], exact_pairs(target, prompt, 1.0))
+        assert p > ALPHA, (row, p)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Scores and logits of a batch
 
 

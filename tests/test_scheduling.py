@@ -523,13 +523,13 @@ def test_shipped_generation_config_turns_the_hardware_schedule_on():
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match_of_the_longest_suffix():
     lookup = DSparkPromptLookup(max_ngram=3, max_tokens=4)
-    tokens, ngram = lookup.propose(torch.tensor([[5, 6, 7, 8, 5, 6]]), budget=3)
+    tokens, ngram = lookup.propose(torch.tensor([5, 6, 7, 8, 5, 6]), budget=3)
     assert ngram == 2 and tokens.tolist() == [7, 8, 5]
-    tokens, ngram = lookup.propose(torch.tensor([[1, 2, 9, 1, 2, 7, 1, 2]]), budget=8)
+    tokens, ngram = lookup.propose(torch.tensor([1, 2, 9, 1, 2, 7, 1, 2]), budget=8)
     assert ngram == 2 and tokens.tolist() == [7, 1, 2]  # the latest earlier occurrence, not the first
-    tokens, ngram = lookup.propose(torch.tensor([[4, 1, 2, 3, 9, 1, 2, 3]]), budget=8)
+    tokens, ngram = lookup.propose(torch.tensor([4, 1, 2, 3, 9, 1, 2, 3]), budget=8)
     assert ngram == 3 and tokens.tolist() == [9, 1, 2, 3]  # the longest n-gram that occurs; at most max_tokens
-    assert lookup.propose(torch.tensor([[1, 2, 3]]), budget=4)[1] == 0
+    assert lookup.propose(torch.tensor([1, 2, 3]), budget=4)[1] == 0
 
 
 def test_prompt_lookup_learns_its_acceptance_per_ngram_size():

@@ -37,9 +37,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .batch_rows_dspark import DSparkBatchIds, DSparkBatchRows, DSparkBatchScores
 from .generation_dspark import DSparkGenerationStats, check_generation_limits, decoding_key
 from .packing_dspark import DSparkPackedCache, DSparkPacking, attention_windows, install_packed_attention, packs
-from .scheduling_dspark import make_schedule
+from .scheduling_dspark import make_prompt_lookup, make_schedule
 from .settings_dspark import DSparkDraftingSettings, prepare_drafter
-from .token_choice_dspark import VOCAB_AGNOSTIC_WARPERS, DSparkTokenChooser
+from .token_choice_dspark import VOCAB_AGNOSTIC_WARPERS, DSparkTokenChooser, one_hot_scores
 
 def check_batch_limits(target: PreTrainedModel, generation_config: GenerationConfig, attention_mask, streamer):
     """What a batch cannot do with a DSpark drafter, each as one line naming the fix."""
@@ -80,6 +80,7 @@ class DSparkBatchGeneration:
         self.schedule = make_schedule(self.settings, self.do_sample,
                                       lambda: state.round_costs_for(target, num_drafts, self.do_sample))
         self.schedule.bias = state.confidence_bias.get(self.bias_key, 0.0)
+        self.lookup = make_prompt_lookup(self.settings, self.schedule, self.do_sample, state.lookup_counts, self.bias_key)
         self.chooser = DSparkTokenChooser(drafter.draft_to_target_ids, drafter.config.vocab_size, self.do_sample,
                                           logits_processor)
         self.stats = drafter.drafting_state.last_stats = DSparkGenerationStats(num_draft_tokens=drafter.num_draft_tokens)
@@ -97,6 +98,8 @@ class DSparkBatchGeneration:
         self.scores = DSparkBatchScores(input_ids.shape[0]) if self.wants_scores else None
         self.logits = DSparkBatchScores(input_ids.shape[0]) if self.wants_logits else None
         self.stopped_at: list[int | None] = [None] * input_ids.shape[0]  # tokens a row had when it stopped
+        mask = self.model_kwargs.get("attention_mask")
+        self.prompt_starts = [0] * input_ids.shape[0] if mask is None else (mask.shape[1] - mask.sum(dim=1)).tolist()
         batch = self._prefill(input_ids)
         while batch.rows.numel():
             self._round(batch)
@@ -197,13 +200,17 @@ class DSparkBatchGeneration:
         drafted_s = time.perf_counter() - started
         lengths = self.schedule.row_lengths(drafts.token_ids.shape[1], batch.rows.numel())
         counts = torch.minimum(room, lengths.to(room.device))  # (a,) drafts each row verifies
-        drafts = self._trimmed(drafts, int(counts.max()) if counts.numel() else 0)
+        looking = time.perf_counter()
+        drafts, counts, ngrams = self._with_lookup(batch, drafts, counts, room)
+        lookup_s = time.perf_counter() - looking  # the drafts' time, but not the drafter's: priced by neither
         logits, raw, outputs = self._verify(batch, drafts.token_ids, counts)
         accepted, bonus = self._accept(batch, drafts, counts, logits)
         self._keep_scores(batch.rows, logits, raw, accepted)
-        verified_s = time.perf_counter() - started - drafted_s
-        self.stats.record_round(self.schedule, counts, accepted, self.drafter_ran, drafted_s, verified_s)
-        self._record(counts, drafted_s, verified_s)
+        verified_s = time.perf_counter() - started - drafted_s - lookup_s
+        self.stats.record_round(self.schedule, counts, accepted, self.drafter_ran, drafted_s, verified_s, own=ngrams == 0)
+        if self.lookup is not None:
+            self.stats.record_lookup(self.lookup, ngrams, counts, accepted)
+        self._record(counts, drafted_s + lookup_s, verified_s)
         self._advance(batch, drafts.token_ids, counts, accepted, bonus, outputs)
 
     def _room(self, batch: DSparkBatchRows) -> torch.LongTensor:
@@ -225,14 +232,29 @@ class DSparkBatchGeneration:
         return self.drafter.draft(batch.drafter_cache, batch.anchor.to(device), room, self.chooser, self.schedule,
                                   batch.next_position.to(device), batch.mask.bool().to(device))
 
-    @staticmethod
-    def _trimmed(drafts, width: int):
-        """The drafts up to the widest row's verified count: the cache takes width + 1 new columns this round."""
-        if drafts.token_ids.shape[1] == width:
-            return drafts
-        logits = drafts.target_logits
-        return SimpleNamespace(token_ids=drafts.token_ids[:, :width],
-                               target_logits=None if logits is None else logits[:, :width])
+    def _with_lookup(self, batch: DSparkBatchRows, drafts, counts: torch.LongTensor, room: torch.LongTensor):
+        """Each row's prompt-lookup drafts in place of its drafter's where they promise more tokens per second
+        (`DSparkPromptLookup.choose`, as for one row), with a one-hot q when sampling. Returns the round's drafts up to
+        its widest row (the cache takes width + 1 new columns), the drafts each row verifies, and each row's n-gram
+        size matched (a,) (0: the drafter's drafts, or none)."""
+        ngrams, chosen = torch.zeros_like(counts), {}
+        for i, row in enumerate(batch.rows.tolist() if self.lookup is not None else ()):
+            budget, sequence = int(room[i]), self.ids.sequence(row)[self.prompt_starts[row] :]
+            own = self.lookup.drafter_survivals(self.schedule, i, int(counts[i]), budget) if self.drafter_ran else []
+            tokens, ngram = self.lookup.choose(self.schedule, sequence, budget, own, self.drafter_ran)
+            if ngram:
+                chosen[i], ngrams[i], counts[i] = tokens.to(counts.device), ngram, tokens.shape[0]
+        width = int(counts.max()) if counts.numel() else 0
+        token_ids, q = F.pad(drafts.token_ids, (0, width - drafts.token_ids.shape[1])), drafts.target_logits
+        if q is not None or (self.do_sample and chosen):  # a q for slots past a row's drafts is never read: any serves
+            q = torch.zeros((*token_ids.shape, self.drafter.config.vocab_size)) if q is None else q.float()
+            q = F.pad(q, (0, 0, 0, width - q.shape[1]))
+        for i, tokens in chosen.items():
+            token_ids[i, : tokens.shape[0]] = tokens
+            if q is not None:
+                q[i] = 0.0
+                q[i, : tokens.shape[0]] = one_hot_scores(tokens, q.shape[-1])
+        return SimpleNamespace(token_ids=token_ids, target_logits=q), counts, ngrams
 
     def _verify(self, batch: DSparkBatchRows, tokens: torch.LongTensor, counts: torch.LongTensor):
         """One target forward of [anchor, drafts] per row: packed, over each row's anchor and `counts` drafts only

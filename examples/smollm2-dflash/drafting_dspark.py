@@ -93,22 +93,12 @@ class DSparkForDrafting(DSparkDraftModel):
         return model
 
     @torch.no_grad()
-    def draft_block(
-        self,
-        cache: DSparkContextCache,
-        anchor_id: torch.LongTensor | int,
-        num_drafts: int | None = None,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        logits_processor: LogitsProcessorList | None = None,
-        input_ids: torch.LongTensor | None = None,
-        confidence_threshold: float | None = None,
-        verify_cost: float | None = None,
-        generator: torch.Generator | None = None,
-        schedule: DSparkDraftSchedule | None = None,
-    ) -> DSparkDraftOutput:
+    def draft_block(self, cache: DSparkContextCache, anchor_id: torch.LongTensor | int, num_drafts: int | None = None,
+                    do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                    logits_processor: LogitsProcessorList | None = None, input_ids: torch.LongTensor | None = None,
+                    confidence_threshold: float | None = None, verify_cost: float | None = None,
+                    generator: torch.Generator | None = None,
+                    schedule: DSparkDraftSchedule | None = None) -> DSparkDraftOutput:
         """Draft one block for one row after the cached context (`draft` for a batch of one).
 
         Sampling draws each x_n from q_n = softmax(processed(U_n + bias(prev))), scattered to the target vocab; the

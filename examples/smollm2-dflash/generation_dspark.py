@@ -9,7 +9,6 @@ much of it to propose, learn from the outcome). `routing_dspark.py` hands it to 
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,8 +20,9 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
-from .scheduling_dspark import DSparkPromptLookup, make_schedule
+from .scheduling_dspark import make_prompt_lookup, make_schedule
 from .settings_dspark import DSparkDraftingSettings, prepare_drafter
+from .token_choice_dspark import one_hot_scores
 
 # ------------------------------------------------------------------------------------------------------------------
 # Generation stats
@@ -51,7 +51,7 @@ class DSparkGenerationStats:
     confidence_predicted: float = 0.0  # Σ recalibrated c_n over drafts verification reached (hardware schedule)
     confidence_observed: int = 0  # ... and how many of them were accepted
     confidence_verified: int = 0  # ... of how many drafts
-    lookup_rounds: int = 0  # rounds whose drafts came from prompt lookup (included in drafted/accepted)
+    lookup_rounds: int = 0  # rounds (batched: row rounds) whose drafts came from prompt lookup (in drafted/accepted)
     lookup_drafted: int = 0
     lookup_accepted: int = 0
     prefill_tokens: int = 0  # batched: prompt tokens through the target's layers (packed: each row's own)
@@ -67,21 +67,32 @@ class DSparkGenerationStats:
         return 1.0 + sum(self.accepted) / max(self.rounds, 1)
 
     def record_round(self, schedule, counts: torch.Tensor, accepted: torch.Tensor, drafter_ran: bool,
-                     draft_s: float | None, verify_s: float, recalibrate: bool = True) -> tuple[float, int, int] | None:
+                     draft_s: float | None, verify_s: float, own: torch.Tensor | None = None) -> tuple[float, int, int] | None:
         """One verify round, the drafts each row verified and accepted (rows,): its price as the schedule set it before
         the round (`round_prices`), then what the schedule learned from it (returned: Σ the predicted survival of the
-        drafts verification reached, how many were accepted, how many; None where it learns nothing)."""
+        drafter's drafts verification reached (`own`: the rows they were the drafter's, not prompt lookup's; None:
+        every row), how many were accepted, how many; None where it learns nothing)."""
         self.drafted += counts.tolist()
         self.accepted += accepted.tolist()
         price = schedule.price_of(counts, drafter_ran)
         if price is not None:
             self.round_prices.append((bool(counts.any()), price, (draft_s or 0.0) + verify_s))
-        outcome = schedule.observe_round(counts, accepted, drafter_ran, draft_s, verify_s, recalibrate=recalibrate)
+        outcome = schedule.observe_round(counts, accepted, drafter_ran, draft_s, verify_s, own=own)
         if outcome is not None:
             self.confidence_predicted += outcome[0]
             self.confidence_observed += outcome[1]
             self.confidence_verified += outcome[2]
         return outcome
+
+    def record_lookup(self, lookup, ngrams: torch.Tensor, counts: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The rows whose drafts came from prompt lookup this round (`ngrams` (rows,) > 0, the n-gram size matched):
+        what lookup learns from them, and the lookup counts."""
+        for ngram, drafted, taken in zip(ngrams.tolist(), counts.tolist(), accepted.tolist()):
+            if ngram:
+                lookup.observe(ngram, drafted, taken)
+                self.lookup_rounds += 1
+                self.lookup_drafted += drafted
+                self.lookup_accepted += min(taken, drafted)
 
     def acceptance_cumulative(self) -> list[float]:
         """P(drafts 1..k all accepted) over rounds that proposed at least k drafts."""
@@ -167,16 +178,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(
-        self,
-        drafter,
-        target: PreTrainedModel,
-        input_ids: torch.LongTensor,
-        generation_config: GenerationConfig,
-        logits_processor: LogitsProcessorList | None = None,
-        model_kwargs: dict[str, Any] | None = None,
-        stopping_criteria: StoppingCriteriaList | None = None,
-    ):
+    def __init__(self, drafter, target: PreTrainedModel, input_ids: torch.LongTensor, generation_config: GenerationConfig,
+                 logits_processor: LogitsProcessorList | None = None, model_kwargs: dict[str, Any] | None = None,
+                 stopping_criteria: StoppingCriteriaList | None = None):
         check_generation_limits(generation_config, batch_size=input_ids.shape[0])
         self.drafter, self.state = drafter, drafter.drafting_state
         self.settings = DSparkDraftingSettings.from_drafter(drafter)
@@ -194,7 +198,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         # After rounds that draft nothing the drafter itself may rest (the schedule's back-off); the aux rows of the
         # rounds it skipped wait in `_pending_aux` until it runs again.
         self._pending_aux: list[torch.Tensor] = []
-        self.lookup = self._make_lookup()
+        self.lookup = make_prompt_lookup(self.settings, self.schedule, self.do_sample, self.state.lookup_counts,
+                                         self.bias_key)
         self._lookup_ngram = 0  # n-gram size matched when this round's drafts came from prompt lookup, else 0
         self.logits_processor = logits_processor if logits_processor else None
         self.stopping_criteria = _stops_inside_a_round(stopping_criteria)
@@ -206,15 +211,6 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._drafter_ran, self._draft_s = False, None  # this round: whether the drafter ran, its time (None: no measure)
         self._verify_started = None
         self._prefilled = False
-
-    def _make_lookup(self) -> DSparkPromptLookup | None:
-        """Prompt-lookup drafts (`dspark_lookup_ngram_size`). A schedule that prices rounds weighs them against the
-        drafter's, so they need one; what they learned carries over between calls of the same decoding settings."""
-        if not self.settings.lookup_ngram_size or not self.schedule.prices_rounds:
-            return None
-        lookup = DSparkPromptLookup(self.settings.lookup_ngram_size, self.num_drafts)
-        lookup.counts = self.state.lookup_counts.setdefault(self.bias_key, lookup.counts)
-        return lookup
 
     def _end_round_at(self, max_length: int):
         """transformers commits the accepted drafts plus a bonus token, cropped to `generation_config.max_length`,
@@ -253,48 +249,26 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def _draft(self, input_ids: torch.LongTensor, budget: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Candidates (the sequence plus up to `budget` drafts) and, when sampling, the q they were drawn from."""
         device = self.drafter.fc.weight.device
-        draft = self.drafter.draft_block(
-            self.cache,
-            input_ids[0, -1].to(device),
-            num_drafts=budget,
-            do_sample=self.do_sample,
-            logits_processor=self.logits_processor,
-            input_ids=input_ids.to(device),
-            schedule=self.schedule,
-        )
+        draft = self.drafter.draft_block(self.cache, input_ids[0, -1].to(device), num_drafts=budget, do_sample=self.do_sample,
+                                         logits_processor=self.logits_processor, input_ids=input_ids.to(device),
+                                         schedule=self.schedule)
         tokens = self._cut_at_stop(input_ids, draft.token_ids.to(input_ids.device))
         self._last_drafted = tokens.shape[1]
         candidates = torch.cat([input_ids, tokens], dim=-1)
         return candidates, draft.target_logits[:, : tokens.shape[1]] if self.do_sample and self._last_drafted else None
 
     def _prefer_lookup(self, input_ids, budget: int, drafter_ran: bool, candidates, candidate_logits):
-        """Prompt-lookup drafts instead of the drafter's when they promise more tokens per second (both priced by the
-        schedule; the drafter's time this round is spent either way). When sampling their q is one-hot, so
-        speculative sampling accepts a lookup draft x with probability p(x): still lossless."""
-        tokens, ngram = self.lookup.propose(input_ids, budget)
+        """Prompt-lookup drafts instead of the drafter's where they promise more tokens per second
+        (`DSparkPromptLookup.choose`, as for each row of a batch); when sampling their q is one-hot."""
+        own = self.lookup.drafter_survivals(self.schedule, 0, self._last_drafted, budget) if drafter_ran else []
+        tokens, ngram = self.lookup.choose(self.schedule, input_ids[0], budget, own, drafter_ran)
         if not ngram:
             return candidates, candidate_logits
-        k, rate = self.schedule.best_plan(self.lookup.survivals(ngram, tokens.shape[0]), drafter_ran)
-        own = self.schedule.best_plan(self._own_survivals(budget) if drafter_ran else [], drafter_ran)
-        if k == 0 or rate <= own[1]:
-            return candidates, candidate_logits
         self._end_round_at(self.max_length)  # undo a stop cut of the drafter's block
-        tokens = self._cut_at_stop(input_ids, tokens[None, :k].to(input_ids.device))
+        tokens = self._cut_at_stop(input_ids, tokens[None].to(input_ids.device))
         self._last_drafted, self._lookup_ngram = tokens.shape[1], ngram
-        if not self.do_sample or not self._last_drafted:
-            return torch.cat([input_ids, tokens], dim=-1), None
-        one_hot = torch.full((1, tokens.shape[1], self.drafter.config.vocab_size), -math.inf, device=input_ids.device)
-        return torch.cat([input_ids, tokens], dim=-1), one_hot.scatter_(-1, tokens[..., None], 0.0)
-
-    def _own_survivals(self, budget: int) -> list[float]:
-        """The drafter's survivals a_1, a_2, ... that the choice against lookup may read. Greedy: every draft's. When
-        sampling, only a_1 = c_1 (projected as a_1^n), which no draft decides: c_{n+1} reads x_n, so keeping the
-        drafter's block by its later survivals would keep x_n by its own value, and x_n would no longer be a draw
-        from q (speculative sampling would then drift from the target's distribution)."""
-        survivals = [row[0] for row in self.schedule.survivals[: self._last_drafted]]
-        if not self.do_sample or not survivals:
-            return survivals
-        return [survivals[0] ** n for n in range(1, budget + 1)]
+        q = one_hot_scores(tokens, self.drafter.config.vocab_size) if self.do_sample and self._last_drafted else None
+        return torch.cat([input_ids, tokens], dim=-1), q
 
     def get_candidates(self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any] | None = None,
                        model_outputs: ModelOutput | None = None, is_first_iteration: bool = False, n_last_matches: int = 0,
@@ -327,19 +301,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats.verify_time_s += elapsed
         if self._prefilled:  # every verify round after the prefill, including rounds with no room left to draft
             counts, accepted = torch.tensor([self._last_drafted]), torch.tensor([int(num_matches)])
+            ngrams = torch.tensor([self._lookup_ngram])
             outcome = self.stats.record_round(self.schedule, counts, accepted, self._drafter_ran, self._draft_s, elapsed,
-                                              recalibrate=not self._lookup_ngram)
-            if self._lookup_ngram:
-                self._learn_lookup(int(num_matches))
-            elif outcome is not None:  # keep the schedule's bias on the drafter for the next call
+                                              own=ngrams == 0)
+            if self.lookup is not None:
+                self.stats.record_lookup(self.lookup, ngrams, counts, accepted)
+            if outcome is not None:  # keep the schedule's bias on the drafter for the next call
                 self.state.confidence_bias[self.bias_key] = self.schedule.bias
         self._prefilled = True
-
-    def _learn_lookup(self, num_accepted: int):
-        self.lookup.observe(self._lookup_ngram, self._last_drafted, num_accepted)
-        self.stats.lookup_rounds += 1
-        self.stats.lookup_drafted += self._last_drafted
-        self.stats.lookup_accepted += min(num_accepted, self._last_drafted)
 
 
 __all__ = ["DSparkCandidateGenerator", "DSparkGenerationStats", "check_generation_limits", "decoding_key"]

@@ -33,6 +33,7 @@ class DSparkDraftSchedule:
     batch_size = 1  # rows this round, set by the driver
     context_length = 0  # committed tokens (cache columns) before the block, set by the driver
     bias = 0.0  # online confidence logit bias, carried between generate calls when the schedule learns one
+    plain_only = False  # True: this round must be a plain step (the schedule is timing one), no drafts of any kind
 
     def __init__(self, threshold: float | None = None, verify_cost: float | None = None):
         self.threshold = -math.inf if threshold is None else threshold
@@ -79,10 +80,11 @@ class DSparkDraftSchedule:
         return None
 
     def observe_round(self, counts: torch.Tensor, accepted: torch.Tensor, drafter_ran: bool, draft_s: float | None,
-                      verify_s: float, recalibrate: bool = True) -> tuple[float, int, int] | None:
+                      verify_s: float, own: torch.Tensor | None = None) -> tuple[float, int, int] | None:
         """After verification: the drafts each row verified and accepted (rows,), whether the drafter ran, its time
         (None: no measure of a round) and the verify time. Returns (Σ predicted c, accepted, reached) over the drafts
-        verification reached where the schedule learns from them (not from drafts it did not choose: `recalibrate`)."""
+        verification reached where the schedule learns from them: the drafter's own, not prompt lookup's (`own`
+        (rows,) bool: the rows whose drafts the drafter drafted; None: every row)."""
         return None
 
 
@@ -213,7 +215,8 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         return torch.tensor(lengths, dtype=torch.long)
 
     def should_skip(self) -> bool:
-        if self.costs.needs_plain_step(self.batch_size):  # time this batch size's plain step first
+        self.plain_only = self.costs.needs_plain_step(self.batch_size)  # time this batch size's plain step first
+        if self.plain_only:
             return True
         if not (self._backoff_rows or 0) / 2 < self.batch_size <= (self._backoff_rows or 0):
             # a new batch, or half its rows gone (one row leaving changes little): what pays has changed, probe again
@@ -228,12 +231,13 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
             return None
         return self.costs.round_cost(width, self.batch_size, self.context_length, drafter_ran)
 
-    def observe_round(self, counts, accepted, drafter_ran, draft_s, verify_s, recalibrate=True):
+    def observe_round(self, counts, accepted, drafter_ran, draft_s, verify_s, own=None):
         counts, accepted = counts.tolist(), accepted.tolist()
         if drafter_ran and draft_s is not None:
             self.costs.observe_drafter(self.batch_size, draft_s)
         self.costs.observe(self._round_width(counts), self.context_length, verify_s, self.batch_size)
-        return self._recalibrate(counts, accepted) if recalibrate and drafter_ran else None
+        own = [True] * len(counts) if own is None else own.tolist()
+        return self._recalibrate(counts, accepted, own) if drafter_ran and any(own) else None
 
     def _round_width(self, counts: list[int]) -> float:
         """The width a round is priced at: its widest row's drafts, or, packed, its tokens per row less the anchor."""
@@ -241,15 +245,15 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
             return 0
         return sum(c + 1 for c in counts) / len(counts) - 1 if self.packed else max(counts)
 
-    def _recalibrate(self, counts: list[int], accepted: list[int]) -> tuple[float, int, int] | None:
-        """Every draft verification reached is one outcome of its recalibrated c: one SGD step each on the shared
-        logit bias (a batch of B rows learns as B rounds of one row would)."""
+    def _recalibrate(self, counts: list[int], accepted: list[int], own: list[bool]) -> tuple[float, int, int] | None:
+        """Every draft of the drafter's that verification reached is one outcome of its recalibrated c: one SGD step
+        each on the shared logit bias (a batch of B rows learns as B rounds of one row would)."""
         if not self._admitted:
             return None
         error = predicted = 0.0
         observed = verified = 0
-        for row, (count, taken) in enumerate(zip(counts, accepted)):
-            for n in range(1, min(count, taken + 1, len(self._admitted)) + 1):
+        for row, (count, taken, mine) in enumerate(zip(counts, accepted, own)):
+            for n in range(1, (min(count, taken + 1, len(self._admitted)) if mine else 0) + 1):
                 c = self._admitted[n - 1][row]
                 error += float(n <= taken) - c
                 predicted, observed, verified = predicted + c, observed + (n <= taken), verified + 1
@@ -289,25 +293,27 @@ class DSparkDrafterBackoff:
 
 
 class DSparkPromptLookup:
-    """Drafts copied from the context (prompt lookup): the tokens that followed the latest earlier occurrence of the
-    sequence's last n-gram, the longest of `max_ngram`..1 that occurs. Free to draft, and often right exactly where
-    the drafter is unsure: code restating its signature, a long chat quoting itself, a model repeating a phrase. The
-    hardware schedule prices them like the drafter's own, from survivals ℓ^n, where ℓ, the chance a lookup draft is
-    accepted once the ones before it were, is learned online per n-gram size: a Beta mean whose prior, worth
-    `prior_weight` drafts, is n / (n + 3) (a longer match is a better bet: 1-grams start at 1 in 4, 3-grams at 1 in 2),
-    so where verifying is dear (fp32 on a CPU) only long matches are tried until lookup has proven itself."""
+    """Drafts copied from the context (prompt lookup), for one row or each row of a batch: the tokens that followed
+    the latest earlier occurrence of the row's last n-gram, the longest of `max_ngram`..1 that occurs. Free to draft,
+    and often right exactly where the drafter is unsure: code restating its signature, a long chat quoting itself, a
+    model repeating a phrase. The hardware schedule prices them like the drafter's own, from survivals ℓ^n, where ℓ,
+    the chance a lookup draft is accepted once the ones before it were, is learned online per n-gram size: a Beta mean
+    whose prior, worth `prior_weight` drafts, is n / (n + 3) (a longer match is a better bet: 1-grams start at 1 in
+    4, 3-grams at 1 in 2), so where verifying is dear (fp32 on a CPU) only long matches are tried until lookup has
+    proven itself. When sampling, their q is one-hot, so speculative sampling accepts a lookup draft x with
+    probability p(x): still lossless."""
 
     prior_weight = 4.0
 
-    def __init__(self, max_ngram: int, max_tokens: int):
-        self.max_ngram, self.max_tokens = max_ngram, max_tokens
+    def __init__(self, max_ngram: int, max_tokens: int, do_sample: bool = False):
+        self.max_ngram, self.max_tokens, self.do_sample = max_ngram, max_tokens, do_sample
         self.counts = {  # n-gram size -> [accepted, reached]
             n: [self.prior_weight * n / (n + 3), self.prior_weight] for n in range(1, max_ngram + 1)
         }
 
-    def propose(self, input_ids: torch.LongTensor, budget: int) -> tuple[torch.LongTensor, int]:
-        """(up to `budget` drafts (k,), the n-gram size matched); no drafts and size 0 when nothing matches."""
-        sequence = input_ids[0]
+    def propose(self, sequence: torch.LongTensor, budget: int) -> tuple[torch.LongTensor, int]:
+        """(up to `budget` drafts (k,) after the row's tokens `sequence` (L,), the n-gram size matched); no drafts and
+        size 0 when nothing matches."""
         for n in range(min(self.max_ngram, sequence.shape[0] - 1), 0, -1):
             earlier = sequence.unfold(0, n, 1)[:-1]  # every n-gram but the suffix itself
             hits = (earlier == sequence[-n:]).all(dim=1).nonzero()
@@ -315,6 +321,29 @@ class DSparkPromptLookup:
                 start = int(hits[-1]) + n
                 return sequence[start : start + min(budget, self.max_tokens)], n
         return sequence[:0], 0
+
+    def choose(self, schedule, sequence: torch.LongTensor, budget: int, own: list[float],
+               drafter_ran: bool) -> tuple[torch.LongTensor, int]:
+        """The row's lookup drafts and n-gram size where they promise more tokens per second than its drafter's drafts
+        (survivals `own`; both priced by the schedule, the drafter's time counted when it ran, whoever drafts), else
+        no drafts and size 0."""
+        tokens, ngram = self.propose(sequence, budget) if not schedule.plain_only else (sequence[:0], 0)
+        if not ngram:
+            return tokens, 0
+        k, rate = schedule.best_plan(self.survivals(ngram, tokens.shape[0]), drafter_ran)
+        if k == 0 or rate <= schedule.best_plan(own, drafter_ran)[1]:
+            return tokens[:0], 0
+        return tokens[:k], ngram
+
+    def drafter_survivals(self, schedule, row: int, num_drafted: int, budget: int) -> list[float]:
+        """The drafter's survivals a_1, a_2, ... of `row` that the choice against lookup may read. Greedy: every
+        draft's. When sampling, only a_1 = c_1 (projected as a_1^n), which no draft decides: c_{n+1} reads x_n, so
+        keeping the drafter's block by its later survivals would keep x_n by its own value, and x_n would no longer
+        be a draw from q (speculative sampling would then drift from the target's distribution)."""
+        survivals = [a[row] for a in schedule.survivals[:num_drafted]]
+        if not self.do_sample or not survivals:
+            return survivals
+        return [survivals[0] ** n for n in range(1, budget + 1)]
 
     def survivals(self, ngram: int, num_drafts: int) -> list[float]:
         accepted, reached = self.counts[ngram]
@@ -326,5 +355,17 @@ class DSparkPromptLookup:
         self.counts[ngram][1] += min(num_drafted, num_accepted + 1)
 
 
+def make_prompt_lookup(settings, schedule: DSparkDraftSchedule, do_sample: bool, learned: dict,
+                       key: tuple) -> DSparkPromptLookup | None:
+    """Prompt-lookup drafts (`dspark_lookup_ngram_size`) where the schedule prices rounds (lookup competes with the
+    drafter on price); they go on from what earlier calls of the same decoding settings (`key`) learned (`learned`,
+    the drafting state's `lookup_counts`)."""
+    if not settings.lookup_ngram_size or not schedule.prices_rounds:
+        return None
+    lookup = DSparkPromptLookup(settings.lookup_ngram_size, settings.num_drafts, do_sample)
+    lookup.counts = learned.setdefault(key, lookup.counts)
+    return lookup
+
+
 __all__ = ["DSparkDraftSchedule", "DSparkDrafterBackoff", "DSparkHardwareAwareSchedule", "DSparkPromptLookup",
-           "make_schedule"]
+           "make_prompt_lookup", "make_schedule"]

@@ -87,9 +87,8 @@ class DSparkAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def project_kv(
-        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_kv(self, hidden_states: torch.Tensor,
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values (b, kv_heads, t, hd) of context or block rows at their own positions."""
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         keys = self.k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)
@@ -114,19 +113,10 @@ class DSparkAttention(nn.Module):
         if cache is not None:
             keys, values = cache.update(keys, values, self.layer_idx)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, _ = attention_interface(
-            self,
-            query,
-            keys,
-            values,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            is_causal=False,
-        )
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                               eager_attention_forward)
+        attn_output, _ = attention_interface(self, query, keys, values, attention_mask, is_causal=False, scaling=self.scaling,
+                                             dropout=0.0 if not self.training else self.attention_dropout)
         return self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
 
 
@@ -140,18 +130,12 @@ class DSparkDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        context_kv: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                context_kv: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
         residual = hidden_states
-        hidden_states = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, context_kv, attention_mask, cache
-        )
+        hidden_states = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, context_kv, attention_mask,
+                                       cache)
         hidden_states = residual + hidden_states
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -332,9 +316,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             return None
         return self.markov_head.anchor_state(block_hidden[..., 0, :], self.markov_head.embed_previous(anchor_ids))
 
-    def _markov_and_confidence(
-        self, draft_hidden: torch.Tensor, prev_ids: torch.LongTensor, state: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _markov_and_confidence(self, draft_hidden: torch.Tensor, prev_ids: torch.LongTensor,
+                               state: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Teacher-forced Markov bias (..., N, V_d) and confidence logits (..., N) given each draft's previous token."""
         prev_embeds = self.markov_head.embed_previous(prev_ids) if self.markov_head is not None else None
         bias = self.markov_head.block_bias(draft_hidden, prev_embeds, state) if self.markov_head is not None else None
@@ -344,9 +327,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     # --------------------------------------------------------------------------------------------------------------
     # Training forward: many (anchor, block) pairs of one sequence per batch row, with the exact inference mask.
 
-    def _block_attention_mask(
-        self, anchor_positions: torch.LongTensor, num_context: int, attention_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _block_attention_mask(self, anchor_positions: torch.LongTensor, num_context: int,
+                              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Bool mask (b, 1, J·B, T + J·B) over [context ; blocks] for anchors (b, J) and T = `num_context` rows.
 
         The B rows of block j see context rows t < p_j that are real tokens (`attention_mask` (b, T), right padding)
@@ -385,13 +367,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         prev_ids = input_ids.gather(1, (label_positions - 1).clamp(max=T - 1).reshape(b, J * N)).reshape(b, J, N)
         state = self._markov_start_state(hidden, anchor_ids)
         bias, confidence_logits = self._markov_and_confidence(draft_hidden, prev_ids, state)
-        return DSparkTrainingOutput(
-            logits=base_logits + bias if bias is not None else base_logits,
-            base_logits=base_logits,
-            confidence_logits=confidence_logits,
-            label_positions=label_positions,
-            hidden_states=draft_hidden,
-        )
+        logits = base_logits + bias if bias is not None else base_logits
+        return DSparkTrainingOutput(logits=logits, base_logits=base_logits, confidence_logits=confidence_logits,
+                                    label_positions=label_positions, hidden_states=draft_hidden)
 
     @torch.no_grad()
     def _dflash_forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask, cache):
@@ -439,9 +417,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     # Inference
 
     @torch.no_grad()
-    def extend_context(
-        self, cache: DSparkContextCache, aux_hidden_states: torch.Tensor, positions: torch.LongTensor | None = None
-    ) -> DSparkContextCache:
+    def extend_context(self, cache: DSparkContextCache, aux_hidden_states: torch.Tensor,
+                       positions: torch.LongTensor | None = None) -> DSparkContextCache:
         """Append committed positions (b, n, m·d) to the context cache; their K/V are computed exactly once. Their
         positions (b, n) default to the next columns in order (a batch with padding passes each row's own)."""
         context = self.fuse_context(aux_hidden_states)
