@@ -196,12 +196,15 @@ def _write_shard(path: Path, samples: list[dict], captured: list[tuple[torch.Ten
                   "final_hidden_state": 1}
         for name, count in groups.items():
             tensors[name], tensors[f"{name}_scale"] = quantize_rows(tensors[name], count)  # [ΣT, g·d], [ΣT, g]
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    save_file(tensors, tmp, metadata={"format": "pt"})
+    # safetensors writes through a temporary file of its own beside the target (`.tmpXXXXXX`), which a kill mid-write
+    # leaves behind: it writes inside a staging directory of ours instead, which a resumed run recognizes and removes.
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    tmp = staging / path.name
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+    staging.rmdir()
 
 
 def _shard_entry(path: Path) -> dict:
@@ -347,8 +350,14 @@ def resume_shards(output_dir: Path, manifest: dict) -> dict[str, dict]:
                     f"{manifest[key]!r}); use a new output directory or delete it to start over"
                 )
         done = {s["file"]: s for s in previous.get("shards", []) if (output_dir / s["file"]).is_file()}
-    for stale in [*output_dir.glob(".shard-*.tmp"), *output_dir.glob(f".{MANIFEST}.*.tmp")]:  # killed mid-write
-        stale.unlink()
+    # killed mid-write: our temporary files and staging directories, and safetensors' own temporary files that runs
+    # before the staging directories left beside the shards
+    leftovers = [".shard-*.tmp", f".{MANIFEST}.*.tmp", ".tmp??????"]
+    for stale in [path for pattern in leftovers for path in output_dir.glob(pattern)]:
+        if stale.is_dir():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink()
     for k in range(manifest["num_shards"]):
         path = output_dir / shard_name(k)
         if path.name not in done and path.is_file():

@@ -126,6 +126,10 @@ def test_resume_after_interruption_mid_shard_is_byte_identical(tiny, tokenizer, 
     partial = json.loads((resumed / "manifest.json").read_text())
     assert not partial["complete"] and [s["file"] for s in partial["shards"]] == [shard_name(0)]
     (resumed / f".{shard_name(1)}.crashed.tmp").write_bytes(b"half a shard")  # a kill during the write
+    staging = resumed / f".{shard_name(2)}.killed.tmp"  # ... or inside safetensors' own write, in a staging directory
+    staging.mkdir()
+    (staging / ".tmpAbC123").write_bytes(b"half a shard")
+    (resumed / ".tmpXyZ789").write_bytes(b"half a shard")  # ... or beside the shards, as before staging directories
     with pytest.raises(ValueError, match="incomplete"):
         HiddenStateCache(resumed)
     first = (resumed / shard_name(0)).stat()
