@@ -245,15 +245,17 @@ class DSparkBatchGeneration:
             if ngram:
                 chosen[i], ngrams[i], counts[i] = tokens.to(counts.device), ngram, tokens.shape[0]
         width = int(counts.max()) if counts.numel() else 0
-        token_ids, q = F.pad(drafts.token_ids, (0, width - drafts.token_ids.shape[1])), drafts.target_logits
-        if q is not None or (self.do_sample and chosen):  # a q for slots past a row's drafts is never read: any serves
-            q = torch.zeros((*token_ids.shape, self.drafter.config.vocab_size)) if q is None else q.float()
-            q = F.pad(q, (0, 0, 0, width - q.shape[1]))
+        token_ids, q = drafts.token_ids[:, :width], None if drafts.target_logits is None else drafts.target_logits[:, :width]
+        if not chosen:  # the drafter's drafts up to the widest row: views, no copy
+            return SimpleNamespace(token_ids=token_ids, target_logits=q), counts, ngrams
+        token_ids = F.pad(token_ids, (0, width - token_ids.shape[1]))  # a copy, widened where lookup drafts more
+        if self.do_sample:  # a q for slots past a row's drafts is never read: any finite one serves
+            q = F.pad(q.float(), (0, 0, 0, width - q.shape[1])) if q is not None else token_ids.new_zeros(
+                (*token_ids.shape, self.drafter.config.vocab_size), dtype=torch.float)
         for i, tokens in chosen.items():
             token_ids[i, : tokens.shape[0]] = tokens
-            if q is not None:
-                q[i] = 0.0
-                q[i, : tokens.shape[0]] = one_hot_scores(tokens, q.shape[-1])
+            if q is not None:  # its slots past the lookup drafts keep the drafter's q, never read
+                q[i, : tokens.shape[0]] = one_hot_scores(tokens.to(q.device), q.shape[-1])
         return SimpleNamespace(token_ids=token_ids, target_logits=q), counts, ngrams
 
     def _verify(self, batch: DSparkBatchRows, tokens: torch.LongTensor, counts: torch.LongTensor):
