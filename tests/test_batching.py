@@ -362,6 +362,19 @@ def test_a_noisy_stored_batch_profile_gives_way_to_the_prior(tmp_path, monkeypat
     assert profiling_dspark.batch_verify_profile(target, 7) is None
 
 
+def test_a_batch_profile_set_by_hand_prices_rounds_until_it_is_cleared(tmp_path, monkeypatch):
+    """Clearing `batch_verify_profile` hands pricing back to the stored shape at once, not after a rebuild for
+    another reason."""
+    target = make_tiny_target()
+    monkeypatch.setattr(profiling_dspark, "verify_profile_path", lambda key: str(tmp_path / "none.json"))
+    state, mine = make_drafter(target).drafting_state, batch_profile(1.0)
+    mine.key = profiling_dspark.batch_profile_key(target)
+    state.batch_verify_profile = mine
+    assert state.round_costs_for(target, 7).batch_prior is mine
+    state.batch_verify_profile = None
+    assert state.round_costs_for(target, 7).batch_prior is None
+
+
 def test_hardware_width_probes_again_when_half_the_rows_have_left():
     """The back-off after plain steps belongs to a batch: one row finishing changes little of what pays, so the
     drafter rests on; once half the rows have left, it probes again."""
@@ -603,6 +616,25 @@ class StopAtToken(StoppingCriteria):
         return input_ids[:, -1] == self.token
 
 
+def test_a_rows_lookup_drafts_are_priced_by_what_they_add_to_the_batch_round():
+    """A row's lookup drafts are weighed by the whole round: the batch's tokens against the widened round's cost, not
+    one row's. Alone they pay; as one row of 16 widening a plain step they do not; where the other rows already verify
+    as wide (greedy), they ride along."""
+    schedule = hardware_width(batch_profile(0.05))
+    lookup = scheduling_dspark.DSparkPromptLookup(2, 7)
+    lookup.counts[2] = [2.0, 4.0]  # a lookup draft is accepted half the time
+    sequence = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])  # "5 6" again: "7 8 5 6" followed it
+
+    def drafts_taken(rows: int, counts=None) -> int:
+        schedule.batch_size = rows
+        schedule.start()
+        return lookup.choose(schedule, sequence, 4, [], False, counts, 0)[0].shape[0]
+
+    assert drafts_taken(1) > 0
+    assert drafts_taken(16, [0] * 16) == 0
+    assert drafts_taken(16, [0] + [4] * 15) == 4
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_batched_greedy_with_prompt_lookup_is_token_identical(packed, profile_prices):
     """Each row proposes what followed its own last n-gram, in place of its drafter's drafts where lookup promises
@@ -636,7 +668,8 @@ def test_batched_sampling_with_prompt_lookup_matches_plain_sampling_at_every_row
     drafter.generation_config.dspark_packed_verification = packed
     drafter.generation_config.dspark_lookup_ngram_size = 2
     profile = batch_profile(0.0)
-    profile.verify_time_s = [[1 + 0.01 * (size * (w + 1) - 1) for w in profile.widths] for size in profile.batch_sizes]
+    # a verified token costs so little that the batch's round pays for a lookup draft that is rarely right
+    profile.verify_time_s = [[1 + 0.001 * (size * (w + 1) - 1) for w in profile.widths] for size in profile.batch_sizes]
     profile.key = profiling_dspark.batch_profile_key(target)
     drafter.drafting_state.batch_verify_profile = profile
     with torch.no_grad():

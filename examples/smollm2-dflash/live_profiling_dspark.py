@@ -65,6 +65,7 @@ class DSparkLiveVerifyProfile:
     max_drafts: int
     prior: DSparkVerifyProfile | None = None  # one row's measured t(k) per context
     batch_prior: DSparkBatchVerifyProfile | None = None  # t(B, w)'s shape (None: the prior)
+    given_batch: DSparkBatchVerifyProfile | None = None  # the shape the user set (then `batch_prior`), else None
     path: str | None = None  # where to store what was learned (None: keep it in memory)
     frozen: bool = False  # one row priced by `prior` as given (a profile the user set), nothing learned for it
     ratios: dict[int, list[float | None]] = field(default_factory=dict)  # batch size -> r_B(k)
@@ -169,10 +170,10 @@ def live_verify_profile(target: PreTrainedModel, max_drafts: int, given: DSparkV
     key = verify_profile_key(target)
     batch = given_batch or batch_verify_profile(target, max_drafts)
     if given is not None:
-        return DSparkLiveVerifyProfile(key, given.max_drafts, given, batch, frozen=True)
+        return DSparkLiveVerifyProfile(key, given.max_drafts, given, batch, given_batch=given_batch, frozen=True)
     prior = _read_stored_profile(verify_profile_path(key), key)
     path = verify_profile_path({**key, "axis": "live", **({"decoding": "sample"} if sampling else {})})
-    live = DSparkLiveVerifyProfile(key, max_drafts, prior, batch, path)
+    live = DSparkLiveVerifyProfile(key, max_drafts, prior, batch, given_batch, path)
     if os.path.isfile(path):
         try:
             with open(path) as file:

@@ -179,10 +179,9 @@ class DSparkDraftingState:
         call), and the drafter's running time."""
         key, live = verify_profile_key(target), self.live_verify_profiles.get(sampling)
         mine = self.verify_profile if self.verify_profile is not None and self.verify_profile.key == key else None
-        batch = self.batch_verify_profile
-        batch = batch if batch is not None and batch.key == batch_profile_key(target) else None
+        batch = given if (given := self.batch_verify_profile) is not None and given.key == batch_profile_key(target) else None
         if (live is None or live.key != key or live.max_drafts < max_drafts or live.frozen != (mine is not None)
-                or (mine is not None and live.prior is not mine) or (batch is not None and live.batch_prior is not batch)):
+                or (mine is not None and live.prior is not mine) or live.given_batch is not batch):
             live = self.live_verify_profiles[sampling] = live_verify_profile(target, max_drafts, mine, batch, sampling)
         return live
 

@@ -241,7 +241,8 @@ class DSparkBatchGeneration:
         for i, row in enumerate(batch.rows.tolist() if self.lookup is not None else ()):
             budget, sequence = int(room[i]), self.ids.sequence(row)[self.prompt_starts[row] :]
             own = self.lookup.drafter_survivals(self.schedule, i, int(counts[i]), budget) if self.drafter_ran else []
-            tokens, ngram = self.lookup.choose(self.schedule, sequence, budget, own, self.drafter_ran)
+            others = [0] * len(counts) if self.do_sample else counts.tolist()  # sampling: no row's drafts decide
+            tokens, ngram = self.lookup.choose(self.schedule, sequence, budget, own, self.drafter_ran, others, i)
             if ngram:
                 chosen[i], ngrams[i], counts[i] = tokens.to(counts.device), ngram, tokens.shape[0]
         width = int(counts.max()) if counts.numel() else 0

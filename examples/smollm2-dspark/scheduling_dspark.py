@@ -167,14 +167,16 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         self.backoff.record(width)
         return width
 
-    def best_plan(self, survivals: list[float], drafter_ran: bool) -> tuple[int, float]:
-        """(k, expected tokens per second) of the best stop for one row's drafts with survivals a_1, a_2, ... (prompt
-        lookup's or the drafter's): k = 0 is a plain step; the drafter's time counts when it ran, whoever drafted."""
-        best, expected = (0, 1.0 / self.priced(0, False)), 1.0
-        for k, survival in enumerate(survivals[: self.max_drafts], start=1):
-            expected += survival
-            rate = expected / self.priced(k, drafter_ran)
-            if rate > best[1]:
+    def best_plan(self, survivals: list[float], drafter_ran: bool, counts: list[int] | None = None,
+                  row: int = 0) -> tuple[int, float]:
+        """(k, the round's expected tokens per second) of the best stop for row `row`'s drafts with survivals a_1, a_2,
+        ... (prompt lookup's or the drafter's), the other rows verifying `counts` (None: one row); every row commits a
+        token, and the round costs its width (none: a plain step), the drafter's time counted when it ran."""
+        counts, best, expected = [0] if counts is None else list(counts), (0, 0.0), float(self.batch_size)
+        for k in range(min(len(survivals), self.max_drafts) + 1):
+            expected, counts[row] = expected + (survivals[k - 1] if k else 0.0), k
+            width = self._round_width(counts)
+            if (rate := expected / self.priced(width, drafter_ran and width > 0)) > best[1]:
                 best = (k, rate)
         return best
 
@@ -241,9 +243,7 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
 
     def _round_width(self, counts: list[int]) -> float:
         """The width a round is priced at: its widest row's drafts, or, packed, its tokens per row less the anchor."""
-        if not counts:
-            return 0
-        return sum(c + 1 for c in counts) / len(counts) - 1 if self.packed else max(counts)
+        return 0 if not counts else sum(c + 1 for c in counts) / len(counts) - 1 if self.packed else max(counts)
 
     def _recalibrate(self, counts: list[int], accepted: list[int], own: list[bool]) -> tuple[float, int, int] | None:
         """Every draft of the drafter's that verification reached is one outcome of its recalibrated c: one SGD step
@@ -281,10 +281,8 @@ class DSparkDrafterBackoff:
         self.remaining = 0
 
     def should_skip(self) -> bool:
-        if self.remaining > 0:
-            self.remaining -= 1
-            return True
-        return False
+        skip, self.remaining = self.remaining > 0, max(self.remaining - 1, 0)
+        return skip
 
     def record(self, num_drafts: int):
         """After a round in which the drafter ran and the schedule chose `num_drafts`."""
@@ -322,16 +320,16 @@ class DSparkPromptLookup:
                 return sequence[start : start + min(budget, self.max_tokens)], n
         return sequence[:0], 0
 
-    def choose(self, schedule, sequence: torch.LongTensor, budget: int, own: list[float],
-               drafter_ran: bool) -> tuple[torch.LongTensor, int]:
-        """The row's lookup drafts and n-gram size where they promise more tokens per second than its drafter's drafts
-        (survivals `own`; both priced by the schedule, the drafter's time counted when it ran, whoever drafts), else
-        no drafts and size 0."""
+    def choose(self, schedule, sequence: torch.LongTensor, budget: int, own: list[float], drafter_ran: bool,
+               counts: list[int] | None = None, row: int = 0) -> tuple[torch.LongTensor, int]:
+        """The row's lookup drafts and n-gram size where its round promises more tokens per second with them than with
+        its drafter's drafts (survivals `own`), the other rows verifying `counts` (None: one row), both priced by the
+        schedule, the drafter's time counted when it ran, whoever drafts; else no drafts and size 0."""
         tokens, ngram = self.propose(sequence, budget) if not schedule.plain_only else (sequence[:0], 0)
         if not ngram:
             return tokens, 0
-        k, rate = schedule.best_plan(self.survivals(ngram, tokens.shape[0]), drafter_ran)
-        if k == 0 or rate <= schedule.best_plan(own, drafter_ran)[1]:
+        k, rate = schedule.best_plan(self.survivals(ngram, tokens.shape[0]), drafter_ran, counts, row)
+        if k == 0 or rate <= schedule.best_plan(own, drafter_ran, counts, row)[1]:
             return tokens[:0], 0
         return tokens[:k], ngram
 
