@@ -471,18 +471,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return block_logits[:, n], block_logits
 
     @torch.no_grad()
-    def draft(
-        self,
-        cache: DSparkContextCache,
-        anchor_ids: torch.LongTensor,  # (b,)
-        num_drafts: int,
-        chooser,  # how a draft is chosen (`token_choice_dspark.DSparkTokenChooser`)
-        schedule,  # which positions are drafted (a `scheduling_dspark` schedule)
-        positions: torch.LongTensor | None = None,  # (b,), as for `block_rows`
-        context_mask: torch.Tensor | None = None,  # (b, t) bool, as for `block_rows`
-    ) -> DSparkDraftOutput:
-        """One block per row: the parallel pass, then the sequential stage, draft n = choice(U_n + bias(x_{n-1})),
-        while the schedule admits position n from the rows' c_{·,n}. c_n needs only W1[prev], so the schedule decides
+    def draft(self, cache: DSparkContextCache, anchor_ids: torch.LongTensor, num_drafts: int, chooser, schedule,
+              positions: torch.LongTensor | None = None, context_mask: torch.Tensor | None = None) -> DSparkDraftOutput:
+        """One block per row (`anchor_ids` (b,), `positions` and `context_mask` as for `block_rows`): the parallel pass,
+        then the sequential stage, draft n = choice(U_n + bias(x_{n-1})) by the `chooser` (`DSparkTokenChooser`), while
+        the `schedule` admits position n from the rows' c_{·,n}. c_n needs only W1[prev], so the schedule decides
         before the V_d-wide products (LM head, Markov bias) run; a round that drafts nothing skips them."""
         block_hidden = self.block_rows(cache, anchor_ids, positions, context_mask)
         draft_hidden = self._draft_rows(block_hidden)[:, : min(num_drafts, self.num_draft_tokens)]  # (b, n, d)

@@ -209,6 +209,16 @@ def stored_drafter_dtype(target: PreTrainedModel) -> str | None:
     return record.get("drafter_dtype") if ok and record.get("drafter_dtype") in ("float32", "bfloat16", "float16") else None
 
 
+def unmeasured_drafter_dtype(drafter) -> str | None:
+    """Where none was measured: fp32 for a half-precision CPU drafter whose matmuls torch cannot hand to oneDNN (no
+    AVX512 or fp16 units), as torch's own GEMM costs 3.4x fp32's over 28 rows on an AVX2 EPYC; else as loaded (None)."""
+    weight = drafter.lm_head.weight
+    check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(weight.dtype)
+    if weight.device.type != "cpu" or check is None:
+        return None
+    return None if torch.backends.mkldnn.is_available() and getattr(torch.ops.mkldnn, check)() else "float32"
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The batch axis: t(B, w), one verify pass of a padded width w for B rows, at one context length.
 
@@ -277,4 +287,4 @@ def prior_token_slope(key: dict[str, str]) -> float:
 
 
 __all__ = ["DSparkBatchVerifyProfile", "DSparkVerifyProfile", "batch_verify_profile", "drafter_dtype_path",
-           "store_json", "stored_drafter_dtype", "verify_profile_key", "verify_profile_path"]
+           "store_json", "stored_drafter_dtype", "unmeasured_drafter_dtype", "verify_profile_key", "verify_profile_path"]

@@ -46,7 +46,8 @@ from typing import Any
 import torch
 
 from . import DSparkContextCache
-from .evaluation import drafter_name, live_acceptance_over_calls, live_curve, load_drafter, plot_acceptance
+from .evaluation import (add_drafter_dtype_argument, drafter_dtype_argument, drafter_dtype_of, drafter_name,
+                         live_acceptance_over_calls, live_curve, load_drafter, plot_acceptance)
 from .flags import non_negative_int, positive_int, probability
 from .progress import add_progress_argument, progress as progress_bar
 from .prompts import domain_prompts, encode_batches, encode_prompt, long_context
@@ -218,9 +219,11 @@ def summarize_runs(runs: dict[str, dict[str, Any]], do_sample: bool) -> dict[str
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     target, tokenizer = load_target(resolve_target(args.target, args.model), dtype=args.dtype)
-    methods, models = load_methods(args, target, getattr(torch, args.drafter_dtype))
+    methods, models = load_methods(args, target, drafter_dtype_argument(args))
+    drafters = [models[m] for m in methods if m.startswith(("dspark", "dflash"))]
     report: dict[str, Any] = {
-        "machine": machine_description(), "dtype": args.dtype, "drafter_dtype": args.drafter_dtype, "split": args.split,
+        "machine": machine_description(), "dtype": args.dtype, "split": args.split,
+        "drafter_dtype": drafter_dtype_of(drafters[0]) if drafters else args.drafter_dtype,
         "max_new_tokens": args.max_new_tokens, "fixed_length": args.fixed_length, "batch_size": args.batch_size,
         "repetitions": args.repetitions, "drafter": drafter_name(args.model),
         "assistant": f"{target.name_or_path} truncated to its first {args.assistant_layers} of {target.config.num_hidden_layers} "
@@ -345,10 +348,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=["greedy", "sample"],
                         help="decoding modes (sample = T=1)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the target's dtype")
-    parser.add_argument("--drafter-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="the drafters' dtype (default bf16 whatever the target's, as from_pretrained loads the "
-                        "shipped checkpoint: half the cost of an fp32 draft round, and verification keeps the output "
-                        "the target's own)")
+    add_drafter_dtype_argument(parser)
     parser.add_argument("--prompts", nargs="+", default=["chitchat"], metavar="SOURCE[:SPLIT[:TURNS]]",
                         help="one domain per entry, each reported on its own: a corpus (chitchat, chatterbot, "
                         "wordnet-nouns, stdlib-explain, chitchat-long, humaneval, ...) or a JSONL file; SPLIT overrides "

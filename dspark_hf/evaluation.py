@@ -40,6 +40,7 @@ from .metrics import brier_score, per_position_acceptance, survival, tau
 from .progress import add_progress_argument, progress as progress_bar
 from .prompts import DEFAULT_PROMPT_SOURCES, encode_batches, encode_prompt, held_out_prompts
 from .remote_code.generation_dspark import PER_ROUND_STATS, SUMMED_STATS, DSparkGenerationStats
+from .remote_code.settings_dspark import DSparkDraftingSettings, prepare_drafter
 from .reporting import emit_report, machine_description, set_threads
 from .rollouts import offline_acceptance, rollouts_from_blocks
 from .targets import add_target_argument, check_drafter_dir, load_target, resolve_target
@@ -354,15 +355,37 @@ def drafter_name(model_dir: str) -> str:
     return f"DSpark drafter for {config.verifier_name_or_path or 'its target'} ({Path(model_dir).name})"
 
 
-def load_drafter(path: str, target=None, dtype: torch.dtype = torch.float32, flag: str = "--model"):
+def load_drafter(path: str, target=None, dtype: torch.dtype | None = torch.float32, flag: str = "--model"):
     """A drafter from a directory, bound to `target` if its checkpoint omits the frozen embed/head: how `eval` and
     `bench` load every drafter they measure (a checkpoint as shipped binds its embedding and LM head at attach time);
-    `flag` is the option that named `path`, for the line a directory that is no drafter gets."""
+    `flag` is the option that named `path`, for the line a directory that is no drafter gets. A `dtype` given is the
+    one it runs in; None: its checkpoint's, then the one its `dspark_drafter_dtype` (auto) picks for `target` here,
+    set now so that a report can name it (`drafter_dtype_of`)."""
     check_drafter_dir(path, flag)
     drafter = DSparkForDrafting.from_pretrained(path, dtype=dtype).eval()
+    if dtype is not None:
+        drafter.generation_config.dspark_drafter_dtype = "as-loaded"
     if target is not None and drafter.config.bind_target_embeddings:
         drafter.bind_target(target)
+    if target is not None and dtype is None:
+        prepare_drafter(drafter, target, DSparkDraftingSettings.from_drafter(drafter))
     return drafter
+
+
+def add_drafter_dtype_argument(parser: argparse.ArgumentParser, scope: str = "") -> None:
+    parser.add_argument("--drafter-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help=f"{scope}the drafters' dtype (default auto: as a user's drafter runs, its checkpoint's "
+                        "dtype or the one `dspark_drafter_dtype` picks for this machine; the report names it)")
+
+
+def drafter_dtype_argument(args: argparse.Namespace) -> torch.dtype | None:
+    """`--drafter-dtype` for `load_drafter`: None for auto."""
+    return None if args.drafter_dtype == "auto" else getattr(torch, args.drafter_dtype)
+
+
+def drafter_dtype_of(drafter) -> str:
+    """The dtype a drafter runs in, as reports name it ("bfloat16")."""
+    return str(next(drafter.parameters()).dtype).replace("torch.", "")
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
@@ -396,7 +419,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.num_prompts > 0:
         target, tokenizer = load_target(args.target, dtype=args.dtype)
-        drafter = load_drafter(args.model, target, getattr(torch, args.drafter_dtype))
+        drafter = load_drafter(args.model, target, drafter_dtype_argument(args))
+        report["drafter_dtype"] = drafter_dtype_of(drafter)
         if args.confidence_threshold is not None:
             drafter.generation_config.dspark_confidence_threshold = args.confidence_threshold
         prompts = held_out_prompts(args.prompts, args.split, args.num_prompts)
@@ -430,8 +454,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--confidence-threshold", type=probability, default=None,
                         help="online: confidence-scheduled block length (default: the drafter's generation_config)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="online: the target's dtype")
-    parser.add_argument("--drafter-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="online: the drafter's dtype (default bf16 whatever the target's, as from_pretrained loads it)")
+    add_drafter_dtype_argument(parser, "online: ")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--plots", help="directory for acceptance.png and reliability.png")
     add_progress_argument(parser)
@@ -451,6 +474,9 @@ __all__ = [
     "live_acceptance",
     "live_acceptance_over_calls",
     "live_curve",
+    "add_drafter_dtype_argument",
+    "drafter_dtype_argument",
+    "drafter_dtype_of",
     "load_drafter",
     "offline_acceptance",
     "offline_metrics",

@@ -757,6 +757,31 @@ def test_profile_command_measures_stores_and_prints_the_table(tmp_path, monkeypa
 
 
 @pytest.mark.slow
+def test_an_unmeasured_half_precision_drafter_runs_in_fp32_where_torch_has_no_fast_half_gemm(tmp_path, monkeypatch,
+                                                                                              smollm2):
+    """With nothing measured, "auto" keeps a bf16 drafter bf16 where oneDNN runs bf16 matmuls and casts it to fp32
+    where torch would run its own GEMM (an AVX2-only CPU: 3.4x slower over a block), lossless either way; an fp32
+    drafter and a pinned dtype stay as they are."""
+    from transformers import AutoModel
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no stored measurement
+    target, tokenizer = smollm2
+    fast_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    inputs = tokenizer(["The capital of France is"], return_tensors="pt")
+    expected = target.generate(**inputs, max_new_tokens=8, do_sample=False)
+    drafter = AutoModel.from_pretrained(EXAMPLE, trust_remote_code=True)
+    assert profiling_dspark.unmeasured_drafter_dtype(drafter) == (None if fast_bf16 else "float32")
+    assert torch.equal(target.generate(**inputs, max_new_tokens=8, do_sample=False, assistant_model=drafter), expected)
+    assert next(drafter.parameters()).dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
+    assert profiling_dspark.unmeasured_drafter_dtype(drafter.float()) is None
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # as on an AVX2-only CPU
+    pinned = AutoModel.from_pretrained(EXAMPLE, trust_remote_code=True)
+    assert profiling_dspark.unmeasured_drafter_dtype(pinned) == "float32"
+    pinned.generation_config.dspark_drafter_dtype = "as-loaded"
+    target.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=pinned)
+    assert next(pinned.parameters()).dtype == torch.bfloat16
+
+
 def test_profile_recommends_the_fastest_pair_and_drafters_then_run_in_that_dtype(tmp_path, monkeypatch, capsys):
     """`dspark-hf profile --drafter`: plain and DSpark tokens/s for each target × drafter dtype on the real target,
     the recommendation line, and the fastest drafter dtype stored, which a drafter left at "auto" then runs in."""

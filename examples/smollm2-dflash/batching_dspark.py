@@ -11,11 +11,8 @@ draft's column stays in the target's cache but is masked out of attention from t
 row's position ids count only its valid columns, columns no row needs are cropped, and the caches are compacted when
 holes pile up (`batch_rows_dspark.py` keeps that layout, the rows' ids and their scores). A finished row leaves the
 batch. Each row therefore sees exactly its own tokens, as in plain batched `generate`: greedy rows are the target's
-own argmax, sampled rows pass speculative sampling row by row.
-
-The prompts themselves go through the target packed, each row's own tokens only, where they differ in length and
-packing serves the target (plain generate runs every row as long as the longest): the caches then start with each
-row's tokens and holes after them.
+own argmax, sampled rows pass speculative sampling row by row. The prompts go through the target packed too
+(`_packed_prefill`).
 
 Reading order: what a batch cannot do → one batched call: prefill, draft, verify, accept, commit, stop → the output
 in `generate`'s layout.
@@ -374,8 +371,7 @@ class DSparkBatchGeneration:
     # -------------------------------------------------------------------------------------------------- commit
 
     def _advance(self, batch: DSparkBatchRows, tokens, counts, accepted, bonus, outputs):
-        """Commit each row's accepted drafts and bonus token, mark its rejected columns as holes, move the anchors,
-        and let finished rows go."""
+        """Commit each row's accepted drafts and bonus token, mark rejected columns as holes, let finished rows go."""
         width = tokens.shape[1]
         slots = torch.arange(width + 1, device=accepted.device)
         new_positions = batch.next_position[:, None] + slots

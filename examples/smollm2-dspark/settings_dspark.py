@@ -20,7 +20,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.utils import logging
 
 from .live_profiling_dspark import DSparkLiveVerifyProfile, live_verify_profile
-from .profiling_dspark import DSparkBatchVerifyProfile, DSparkVerifyProfile, batch_profile_key, stored_drafter_dtype, verify_profile_key
+from .profiling_dspark import (DSparkBatchVerifyProfile, DSparkVerifyProfile, batch_profile_key, stored_drafter_dtype,
+                               unmeasured_drafter_dtype, verify_profile_key)
 
 logger = logging.get_logger(__name__)
 
@@ -132,11 +133,12 @@ _PREPARING = threading.Lock()
 
 def prepare_drafter(drafter, target: PreTrainedModel, settings: "DSparkDraftingSettings") -> None:
     """Fit the drafter to the target (`attach_to`) and run it in the dtype that pays here: `dspark_drafter_dtype`, or
-    with "auto" the one `dspark-hf profile --drafter` measured fastest for this target, device (with its ISA) and dtype
-    (where bf16 matmuls are emulated the dtypes differ by up to 1.6×); never measured on the call."""
+    with "auto" the one `dspark-hf profile --drafter` measured fastest for this target, device (ISA included) and dtype,
+    else fp32 where torch has no fast half-precision GEMM here (`unmeasured_drafter_dtype`); never measured on the call."""
     with _PREPARING:  # concurrent first calls on one drafter: one binds and casts, the others find it done
         drafter.attach_to(target)
-        wanted = stored_drafter_dtype(target) if settings.drafter_dtype == "auto" else settings.drafter_dtype
+        auto = settings.drafter_dtype == "auto"
+        wanted = stored_drafter_dtype(target) or unmeasured_drafter_dtype(drafter) if auto else settings.drafter_dtype
         if wanted in (None, "as-loaded") or str(next(drafter.parameters()).dtype) == f"torch.{wanted}":
             return
         drafter.to(getattr(torch, wanted))
