@@ -221,7 +221,7 @@ BENCH=(--model "$OUT_DSPARK" --dflash "$OUT_DFLASH" --prompts chitchat wordnet-n
   --num-prompts "$BENCH_PROMPTS" --max-new-tokens 64 --repetitions "$BENCH_REPS" --threads "$THREADS")
 # The truncated small-LM assistant (`--methods assisted-lm`) is left out: 0.29-0.69x plain in every domain, and half the
 # bench's time. fp32 runs the shipped schedule only, on BENCH_PROMPTS_FP32 prompts, the target in fp32 and the drafter
-# in its checkpoint's bf16 (what from_pretrained loads; the bench's --drafter-dtype default).
+# as a user's runs (the bench's --drafter-dtype auto: its checkpoint's bf16, or fp32 where bf16 matmuls are slow).
 [ -f "$OUT_DSPARK/bench-bf16.json" ] || $CLI bench "${BENCH[@]}" --dtype bfloat16 --plots "$OUT_DSPARK" \
   --methods plain prompt-lookup dflash dspark-fixed dspark --json "$OUT_DSPARK/bench-bf16.json"
 [ -f "$OUT_DSPARK/bench-fp32.json" ] || $CLI bench "${BENCH[@]}" --dtype float32 --num-prompts "${BENCH_PROMPTS_FP32:-3}" \
