@@ -468,15 +468,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 __all__ = [
+    "add_drafter_dtype_argument",
     "calibration_metrics",
+    "drafter_dtype_argument",
+    "drafter_dtype_of",
     "drafter_name",
     "evaluate",
     "live_acceptance",
     "live_acceptance_over_calls",
     "live_curve",
-    "add_drafter_dtype_argument",
-    "drafter_dtype_argument",
-    "drafter_dtype_of",
     "load_drafter",
     "offline_acceptance",
     "offline_metrics",

@@ -178,8 +178,9 @@ def test_eval_and_bench_commands_run_on_a_tiny_model(tiny, tmp_path, capsys):
     args = parser.parse_args(["--model", str(tmp_path / "dspark"), "--dflash", str(tmp_path / "dflash"), "--target",
                               str(tmp_path / "target"), "--prompts", str(tmp_path / "prompts.jsonl"), "--split", "all",
                               "--num-prompts", "1", "--max-new-tokens", "6", "--repetitions", "2", "--dtype", "float32",
-                              "--drafter-dtype", "bfloat16", "--assistant-layers", "2", "--methods", *benchmark.ALL_METHODS, "--plots",
-                              str(tmp_path / "bench-plots"), "--json", str(tmp_path / "bench.json")])
+                              "--drafter-dtype", "bfloat16", "--assistant-layers", "2", "--methods",
+                              *benchmark.ALL_METHODS, "--plots", str(tmp_path / "bench-plots"), "--json",
+                              str(tmp_path / "bench.json")])
     assert benchmark.run(args) == 0
     out = capsys.readouterr().out
     for method in benchmark.ALL_METHODS:

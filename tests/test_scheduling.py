@@ -782,6 +782,7 @@ def test_an_unmeasured_half_precision_drafter_runs_in_fp32_where_torch_has_no_fa
     assert next(pinned.parameters()).dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 def test_profile_recommends_the_fastest_pair_and_drafters_then_run_in_that_dtype(tmp_path, monkeypatch, capsys):
     """`dspark-hf profile --drafter`: plain and DSpark tokens/s for each target × drafter dtype on the real target,
     the recommendation line, and the fastest drafter dtype stored, which a drafter left at "auto" then runs in."""
