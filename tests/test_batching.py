@@ -538,6 +538,23 @@ def test_row_lengths_rank_candidates_by_survival_and_sampling_decides_left_to_ri
     assert padded.row_lengths(4, 3).tolist() == [4, 4, 4]  # verified padded: every row the whole width
 
 
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_packed_rows_are_cut_after_drafting_with_the_drafters_time_already_paid(lookahead):
+    """By the time a packed round's rows are cut (`row_lengths`) the drafter has run: a round that verifies no drafts
+    still paid for it, so the first admitted candidate does not have to earn the drafter's time back alone. With 8
+    rows, a drafter costing half a plain step and cheap verified tokens, confident drafts are verified (the rule that
+    charged the drafter to the first candidate alone refused every draft at T = 1: 8 rows · 0.5 > any survival)."""
+    profile = batch_profile(0.0, sizes=(1, 8, 16))
+    profile.verify_time_s = [[1 + 0.01 * (size * (w + 1) - 1) for w in profile.widths] for size in profile.batch_sizes]
+    schedule = hardware_width(profile, lookahead=lookahead)
+    schedule.packed, schedule.batch_size = True, 8
+    schedule.costs.observe(0, 64, profile.verify_time(8, 0), rows=8)  # priced as the profile says
+    schedule.costs.draft_time_s[8] = 0.5 * profile.verify_time(8, 0)
+    schedule.start()
+    schedule.survivals = torch.full((3, 8), 0.9, dtype=torch.float64).cumprod(dim=0).tolist()
+    assert schedule.row_lengths(3, 8).tolist() == [3] * 8
+
+
 def test_targets_packing_cannot_serve_verify_padded_and_say_so():
     """Eager attention (not the registered SDPA function packing wraps) with packing asked for, or packing not asked
     for (the default): padded rounds, the same rows, and the stats say so; a knob of the wrong kind is one line."""

@@ -124,8 +124,8 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         self._costs = [self.priced(0, False)] + [self.priced(w) for w in range(1, self.max_drafts + 1)]
         self._expected = [float(self.batch_size)]  # E_w for w = 0, 1, ...
         self._admitted: list[list[float]] = []  # recalibrated c_{·,n} of the admitted positions
-        if self.packed:  # a drafted round verifying B, B + 1, ... packed tokens, priced per token
-            rows = self.batch_size
+        if self.packed:  # a drafted round verifying B, B + 1, ... packed tokens, priced per token; the drafter has run
+            rows = self.batch_size  # by the time the rows are cut (`row_lengths`), so even no drafts pays its time
             self._token_costs = [self.priced(t / rows - 1) for t in range(rows, rows * (self.max_drafts + 1) + 1)]
 
     def _recalibrated(self, confidence: float) -> float:
@@ -198,7 +198,7 @@ class DSparkHardwareAwareSchedule(DSparkDraftSchedule):
         expected = rows + survivals.flatten()[order].cumsum(0)  # E after the top K = 1, 2, ... candidates
         rates = expected / torch.tensor(costs[1:], dtype=expected.dtype)
         best = int(rates.argmax())
-        if float(rates[best]) <= rows / self._costs[0]:  # no drafts at all pay: a plain step
+        if float(rates[best]) <= rows / costs[0]:  # no drafts pay even with the drafter run: verify none
             return torch.zeros(rows, dtype=torch.long)
         return torch.bincount(order[: best + 1] // width, minlength=rows)
 

@@ -111,9 +111,9 @@ class DSparkLiveVerifyProfile:
         return self.shape(num_drafts, context_length, rows) * self.ratio(num_drafts, rows)
 
     def round_cost(self, num_drafts: float, rows: int, context_length: int, with_drafter: bool) -> float:
-        """A round's seconds: its verify pass, plus the drafter's running time when the drafter ran and drafted."""
+        """A round's seconds: its verify pass, plus the drafter's time when it ran (whatever the round then verifies)."""
         verify = self.verify_time(num_drafts, context_length, rows)
-        return verify + self.draft_time_s.get(rows, 0.0) if with_drafter and num_drafts else verify
+        return verify + self.draft_time_s.get(rows, 0.0) if with_drafter else verify
 
     def needs_plain_step(self, rows: int) -> bool:
         """A batch size whose plain step was never timed takes one first (one row drafts from its first round)."""
@@ -125,8 +125,8 @@ class DSparkLiveVerifyProfile:
     def observe(self, num_drafts: float, context_length: int, seconds: float, rows: int = 1) -> None:
         """One live verify pass of `num_drafts` drafts per row (the mean, packed) for `rows` rows after
         `context_length` tokens took `seconds`."""
-        k = min(round(num_drafts), self.max_drafts)
-        shape = self.shape(k, context_length, rows)
+        k = min(round(num_drafts), self.max_drafts)  # a packed round's ratio is to its own shape, kept at the nearest k
+        shape = self.shape(min(num_drafts, self.max_drafts), context_length, rows)
         if (self.frozen and rows == 1) or shape <= 0 or seconds <= 0:
             return
         counts = self.counts.setdefault(rows, [0] * (self.max_drafts + 1))
