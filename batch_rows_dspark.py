@@ -90,14 +90,13 @@ class DSparkBatchIds:
     def columns(self, length: int) -> torch.LongTensor:
         return self.tokens[:, :length]
 
-    def append(self, row: int, tokens: list[int]):
-        start = self.lengths[row]
-        self._reserve(start + len(tokens))
-        self.tokens[row, start : start + len(tokens)] = self.tokens.new_tensor(tokens)
-        self.lengths[row] = start + len(tokens)
-
-    def truncate(self, row: int, length: int):
-        self.lengths[row] = length
+    def append(self, rows: list[int], tokens: list[list[int]]):
+        """Each of `rows` gets its new `tokens` after its own, in one write for the whole batch."""
+        at = torch.tensor([(row, self.lengths[row] + j) for row, new in zip(rows, tokens) for j in range(len(new))]).T
+        self._reserve(int(at[1].max()) + 1)
+        self.tokens[at[0], at[1]] = self.tokens.new_tensor([t for new in tokens for t in new])
+        for row, new in zip(rows, tokens):
+            self.lengths[row] += len(new)
 
     def stage(self, rows: torch.LongTensor, drafts: torch.LongTensor):
         """Write each row's drafts (a, w) after its tokens without counting them: slot j then reads the row's tokens

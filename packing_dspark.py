@@ -36,10 +36,6 @@ class DSparkPacking:
         self.valid = slots[None, :] <= counts[:, None]  # (a, W) the verified slots of each row
         self.rows, self.slots = self.valid.nonzero(as_tuple=True)  # (N,) each, row-major
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.rows.shape[0])
-
     @functools.cached_property
     def row_spans(self) -> list[tuple[int, int]]:
         """(start, length) of each row's tokens among the packed ones (read by every layer of a prefill: kept)."""

@@ -58,9 +58,7 @@ class DSparkDraftSchedule:
         return True
 
     def _next_survival(self, confidences: list[float]) -> list[float]:
-        if not self.survivals:
-            return confidences
-        return [a * c for a, c in zip(self.survivals[-1], confidences)]
+        return [a * c for a, c in zip(self.survivals[-1], confidences)] if self.survivals else confidences
 
     def finish(self, num_drafted: int) -> int:
         """After the block: how many of its positions to propose (all; a lookahead schedule may cut back)."""
@@ -319,6 +317,16 @@ class DSparkPromptLookup:
                 start = int(hits[-1]) + n
                 return sequence[start : start + min(budget, self.max_tokens)], n
         return sequence[:0], 0
+
+    def may_pay(self, schedule, budget: int, num_rows: int, drafter_ran: bool) -> bool:
+        """False where `choose` gives no row drafts, known before any row is looked up (which costs a batch about 2 %
+        of a plain step): a plain step, or a rested drafter's round where even the best-proven n-gram size's drafts
+        over the whole `budget` promise no more tokens per second than the plain step."""
+        if schedule.plain_only or drafter_ran:
+            return not schedule.plain_only
+        rate = max(accepted / reached for accepted, reached in self.counts.values())
+        survivals = [rate**n for n in range(1, min(budget, self.max_tokens) + 1)]
+        return schedule.best_plan(survivals, False, [0] * num_rows)[0] > 0
 
     def choose(self, schedule, sequence: torch.LongTensor, budget: int, own: list[float], drafter_ran: bool,
                counts: list[int] | None = None, row: int = 0) -> tuple[torch.LongTensor, int]:

@@ -652,6 +652,29 @@ def test_a_rows_lookup_drafts_are_priced_by_what_they_add_to_the_batch_round():
     assert drafts_taken(16, [0] + [4] * 15) == 4
 
 
+@pytest.mark.parametrize("slope, rows", [(0.3, 1), (0.3, 4), (0.05, 4), (0.05, 16)])
+def test_rows_are_looked_up_only_where_some_rows_lookup_drafts_could_be_chosen(slope, rows):
+    """`may_pay` lets a round the drafter rested skip looking up every row (about 2 % of a plain step at batch 16), and
+    is exact: where it says no, `choose` would have given no row lookup drafts; where it says yes, rows with a match
+    get them. A plain step looks up nothing."""
+    generator, answers = torch.Generator().manual_seed(0), set()
+    for acceptance in (0.02, 0.1, 0.3, 0.6, 0.9, 0.99):
+        schedule = hardware_width(batch_profile(slope))
+        schedule.batch_size = rows
+        schedule.start()
+        lookup = scheduling_dspark.DSparkPromptLookup(3, 7)
+        lookup.counts = {n: [acceptance * 100, 100.0] for n in lookup.counts}
+        may = lookup.may_pay(schedule, 7, rows, drafter_ran=False)
+        sequences = [torch.randint(0, 4, (40,), generator=generator) for _ in range(5)]
+        chosen = any(lookup.choose(schedule, sequence, 7, [], False, [0] * rows, row)[1]
+                     for sequence in sequences for row in range(rows))
+        assert chosen == may, (acceptance, may)
+        answers.add(may)
+        schedule.plain_only = True
+        assert not lookup.may_pay(schedule, 7, rows, drafter_ran=False)
+    assert answers == {True, False}
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_batched_greedy_with_prompt_lookup_is_token_identical(packed, profile_prices):
     """Each row proposes what followed its own last n-gram, in place of its drafter's drafts where lookup promises

@@ -289,7 +289,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             candidates, candidate_logits = self._draft(input_ids, budget)
         # the first round's prompt-sized context extension is no measure of a round's drafting time
         self._draft_s = None if first_round else time.perf_counter() - start
-        if self.lookup is not None and budget > 0:
+        if self.lookup is not None and budget > 0 and self.lookup.may_pay(self.schedule, budget, 1, drafter_runs):
             candidates, candidate_logits = self._prefer_lookup(input_ids, budget, drafter_runs, candidates, candidate_logits)
         self.stats.draft_time_s += time.perf_counter() - start
         self._verify_started = time.perf_counter()

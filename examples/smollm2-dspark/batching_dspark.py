@@ -134,7 +134,7 @@ class DSparkBatchGeneration:
                                 self.drafter.new_context_cache())
         self._extend_context(batch, outputs.hidden_states, positions)
         batch.anchor = first
-        self._commit(batch, [[int(t)] for t in first])
+        self._commit(batch, [[t] for t in first.tolist()])
         return batch
 
     def _packed_prefill(self, input_ids: torch.LongTensor, mask: torch.LongTensor, cache: DSparkPackedCache):
@@ -235,7 +235,8 @@ class DSparkBatchGeneration:
         its widest row (the cache takes width + 1 new columns), the drafts each row verifies, and each row's n-gram
         size matched (a,) (0: the drafter's drafts, or none)."""
         ngrams, chosen = torch.zeros_like(counts), {}
-        for i, row in enumerate(batch.rows.tolist() if self.lookup is not None else ()):
+        looks = self.lookup is not None and self.lookup.may_pay(self.schedule, int(room.max()), len(counts), self.drafter_ran)
+        for i, row in enumerate(batch.rows.tolist() if looks else ()):
             budget, sequence = int(room[i]), self.ids.sequence(row)[self.prompt_starts[row] :]
             own = self.lookup.drafter_survivals(self.schedule, i, int(counts[i]), budget) if self.drafter_ran else []
             others = [0] * len(counts) if self.do_sample else counts.tolist()  # sampling: no row's drafts decide
@@ -363,9 +364,7 @@ class DSparkBatchGeneration:
         """The processed scores and raw logits (a, w + 1, V) of the slots each row commits (its accepted drafts and
         the token after them), where the call asks for them (`_commit` drops what follows a row's stop)."""
         for kept, values in ((self.scores, scores), (self.logits, raw)):
-            if kept is None:
-                continue
-            for i, row in enumerate(rows.tolist()):
+            for i, row in enumerate(rows.tolist() if kept is not None else ()):
                 kept.append(row, values[i, : int(accepted[i]) + 1].clone())
 
     # -------------------------------------------------------------------------------------------------- commit
@@ -377,8 +376,8 @@ class DSparkBatchGeneration:
         new_positions = batch.next_position[:, None] + slots
         self._extend_context(batch, outputs.hidden_states, new_positions)
         batch.mask = torch.cat([batch.mask, (slots[None, :] <= accepted[:, None]).long()], dim=1)
-        tokens = tokens.to(accepted.device)
-        committed = [tokens[i, : int(accepted[i])].tolist() + [int(bonus[i])] for i in range(accepted.shape[0])]
+        drafted, taken = tokens.tolist(), accepted.tolist()
+        committed = [row[:n] + [token] for row, n, token in zip(drafted, taken, bonus.tolist())]
         batch.next_position = batch.next_position + accepted + 1
         batch.anchor = bonus
         self._commit(batch, committed)
@@ -390,18 +389,18 @@ class DSparkBatchGeneration:
         rows that are done."""
         checks: dict[int, list[int]] = {}  # length -> rows that reach it this round and have not stopped
         for row, tokens in zip(batch.rows.tolist(), committed):
-            start = self.ids.lengths[row]
-            self.ids.append(row, tokens)
             if self.stopped_at[row] is None:
+                start = self.ids.lengths[row]
                 for length in range(start + 1, start + len(tokens) + 1):
                     checks.setdefault(length, []).append(row)
+        self.ids.append(batch.rows.tolist(), committed)
         for length in sorted(checks):
             stops = self.stopping_criteria(self.ids.columns(length), None)
             for row in checks[length]:
                 if self.stopped_at[row] is None and bool(stops[row]):
                     self.stopped_at[row] = length - self.ids.prompt_length
                     if self.pads_finished:
-                        self.ids.truncate(row, length)
+                        self.ids.lengths[row] = length
                         for kept in (self.scores, self.logits):
                             if kept is not None:
                                 kept.truncate(row, self.stopped_at[row])

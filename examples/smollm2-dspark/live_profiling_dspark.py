@@ -98,9 +98,7 @@ class DSparkLiveVerifyProfile:
             near = self._nearest(rows, lambda b: self.seen(b, 0) and any(self.counts[b][1:]))
             if near is not None:
                 return self.ratios[rows][0] * self.ratio(num_drafts, near) / self.ratios[near][0]
-        if not seen:
-            return 1.0
-        return _interpolate(seen, [self.ratios[rows][k] for k in seen], num_drafts)
+        return _interpolate(seen, [self.ratios[rows][k] for k in seen], num_drafts) if seen else 1.0
 
     def _nearest(self, rows: int, usable) -> int | None:
         """The seen batch size (of more than one row) nearest to `rows` on a log scale among the `usable` ones."""
