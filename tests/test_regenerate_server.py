@@ -264,7 +264,9 @@ def test_no_server_listening_is_one_clear_line(tmp_path, capsys):
 def test_a_server_killed_mid_run_leaves_whole_lines_and_a_rerun_finishes(stand_in, tmp_path):
     convs = _chats(8)
     out = tmp_path / "regen.jsonl"
-    dying = stand_in(stop_after=7)
+    # 8 answers: the first conversation's 2 turns are among them however its thread is scheduled (at most the 3
+    # others in flight, 6 answers, finish first), so a line is written; 16 turns in all, so the kill comes mid-run
+    dying = stand_in(stop_after=8)
     with pytest.raises(ConnectionError, match="rerun the same command to resume"):
         regenerate_through_server(_client(dying, retries=2), convs, out, concurrency=2, progress=False)
     raw = out.read_bytes()
