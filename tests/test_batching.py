@@ -47,7 +47,7 @@ def batch_oracle(monkeypatch):
         mask = self.model_kwargs["attention_mask"]
         rows = []
         for row in batch.rows.tolist():
-            sequence = self.ids.sequence(row)[torch.cat([mask[row], mask.new_ones(self.ids.new_tokens(row))]).bool()]
+            sequence = self.ids.sequence(row)[torch.cat([mask[row], mask.new_ones(self.ids.lengths[row] - self.ids.prompt_length)]).bool()]
             tokens = target_greedy_continuation(self.target, sequence[None], room)[0] if room else sequence[:0]
             if settings["wrong_from"] is not None:
                 tokens[settings["wrong_from"]:] = (tokens[settings["wrong_from"]:] + 1) % self.target.config.vocab_size

@@ -187,6 +187,25 @@ def test_schedule_follows_the_context_length_and_the_live_verify_speed():
     assert drafted(schedule, [0.8] * 7) == 0
 
 
+def test_a_draft_count_priced_far_above_the_rest_is_priced_by_its_neighbours_until_it_is_run_again():
+    """Passes of one k timed while the machine stalled (or by an older process) can price that k so high that the
+    schedule never runs it again, and so never corrects it: one k at 25× the lowest ratio is priced by its neighbours;
+    a pass 3× slower is taken as measured; once it has run at its usual speed again, its own ratio prices it."""
+    costs = live(linear_profile(0.1))
+    for k in range(8):
+        costs.observe(k, 16, 1.0 + 0.1 * k)  # every k as profiled: ratio 1
+    costs.observe(3, 16, 49.0 * 1.3)  # a 49× stall: k = 3's running mean is now 25× the others'
+    assert costs.verify_time(3, 16) == pytest.approx(1.3)
+    schedule = row_schedule(costs, draft_time_s=0.0)
+    schedule.context_length = 16
+    assert schedule.finish(drafted(schedule, [0.99, 0.99, 0.99, 0.01])) == 3  # as if it had never stalled
+    for _ in range(20):
+        costs.observe(3, 16, 1.3)
+    assert costs.verify_time(3, 16) == pytest.approx(1.3 * costs.ratios[1][3]) and costs.ratios[1][3] > 1.01
+    costs.observe(5, 16, 3.0 * 1.5)  # slower, but not far above the rest: priced as measured
+    assert costs.verify_time(5, 16) == pytest.approx(1.5 * costs.ratios[1][5]) and costs.ratios[1][5] == pytest.approx(2.0)
+
+
 def test_noisy_profile_falls_back_to_the_threshold_rule():
     """On a noisy profile the schedule admits while a_n = Π c_i ≥ 0.5, whatever the timings say."""
     assert drafted(row_schedule(live(linear_profile(1.0)), draft_time_s=0.0), [0.8] * 7) == 0

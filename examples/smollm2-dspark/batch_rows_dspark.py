@@ -76,9 +76,6 @@ class DSparkBatchIds:
         self.tokens = prompt.clone()
         self.lengths = [self.prompt_length] * prompt.shape[0]
 
-    def new_tokens(self, row: int) -> int:
-        return self.lengths[row] - self.prompt_length
-
     def lengths_of(self, rows: torch.LongTensor) -> torch.LongTensor:
         """How many ids each of `rows` holds (a,)."""
         return torch.tensor([self.lengths[r] for r in rows.tolist()], device=rows.device)

@@ -415,7 +415,7 @@ class DSparkBatchGeneration:
             return False
         if self.pads_finished or self.ids.lengths[row] >= self.config.max_length:
             return True
-        return None not in self.stopped_at and self.ids.new_tokens(row) >= max(self.stopped_at)
+        return None not in self.stopped_at and self.ids.lengths[row] - self.ids.prompt_length >= max(self.stopped_at)
 
     def _record(self, counts, draft_s: float, verify_s: float):
         width = int(counts.max()) if counts.numel() else 0

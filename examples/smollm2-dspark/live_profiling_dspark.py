@@ -39,6 +39,7 @@ LIVE_PROFILE_FORMAT = "dspark-live-verify-profile/2"  # /2: a table per batch si
 LIVE_WEIGHT = 0.2  # weight of the newest pass once a k has been seen 1/LIVE_WEIGHT times (a running mean before)
 STORE_EVERY = 32  # passes between writes of what was learned
 SMOOTHING = 0.2  # weight of the newest observation in the drafter's running time
+OUTLIER = 5.0  # a k whose ratio is this many times its batch size's lowest is priced by its neighbours (`ratio`)
 
 
 def smoothed(old: float | None, new: float, weight: float) -> float:
@@ -90,7 +91,9 @@ class DSparkLiveVerifyProfile:
         return 1.0 + prior_token_slope(self.key) * (rows * (num_drafts + 1) - 1)
 
     def ratio(self, num_drafts: float, rows: int = 1) -> float:
+        """Seconds per unit of the shape; a k far above the rest (timed in a stall: never run again) takes its neighbours'."""
         seen = [k for k, count in enumerate(self.counts.get(rows, [])) if count]
+        seen = [k for k in seen if self.ratios[rows][k] <= OUTLIER * min(self.ratios[rows][j] for j in seen)]
         if rows > 1 and not seen:  # a batch size never run: its nearest neighbour's (the shape scales it)
             near = self._nearest(rows, lambda b: True)
             return 1.0 if near is None else self.ratio(num_drafts, near)
