@@ -93,7 +93,8 @@ class DSparkLiveVerifyProfile:
     def ratio(self, num_drafts: float, rows: int = 1) -> float:
         """Seconds per unit of the shape; a k far above the rest (timed in a stall: never run again) takes its neighbours'."""
         seen = [k for k, count in enumerate(self.counts.get(rows, [])) if count]
-        seen = [k for k in seen if self.ratios[rows][k] <= OUTLIER * min(self.ratios[rows][j] for j in seen)]
+        lowest = min((self.ratios[rows][k] for k in seen), default=0.0)  # once: rounds price many k
+        seen = [k for k in seen if self.ratios[rows][k] <= OUTLIER * lowest]
         if rows > 1 and not seen:  # a batch size never run: its nearest neighbour's (the shape scales it)
             near = self._nearest(rows, lambda b: True)
             return 1.0 if near is None else self.ratio(num_drafts, near)

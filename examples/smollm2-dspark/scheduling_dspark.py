@@ -325,8 +325,7 @@ class DSparkPromptLookup:
         if schedule.plain_only or drafter_ran:
             return not schedule.plain_only
         rate = max(accepted / reached for accepted, reached in self.counts.values())
-        survivals = [rate**n for n in range(1, min(budget, self.max_tokens) + 1)]
-        return schedule.best_plan(survivals, False, [0] * num_rows)[0] > 0
+        return schedule.best_plan([rate**n for n in range(1, min(budget, self.max_tokens) + 1)], False, [0] * num_rows)[0] > 0
 
     def choose(self, schedule, sequence: torch.LongTensor, budget: int, own: list[float], drafter_ran: bool,
                counts: list[int] | None = None, row: int = 0) -> tuple[torch.LongTensor, int]:
