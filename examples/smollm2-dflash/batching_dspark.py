@@ -285,7 +285,7 @@ class DSparkBatchGeneration:
     def _padded_forward(self, batch: DSparkBatchRows, ids: torch.LongTensor, packing: DSparkPacking, positions):
         return self.target(input_ids=ids, attention_mask=self._round_mask(batch.mask, packing, positions, packed=False),
                            position_ids=positions, cache=batch.target_cache, use_cache=True,
-                           output_hidden_states=self.aux_layer_ids, dspark_batch_round=True)
+                           output_hidden_states=self.aux_layer_ids, dspark_batch_round=ids.shape[1] > 1)
 
     def _packed_forward(self, batch: DSparkBatchRows, ids: torch.LongTensor, packing: DSparkPacking, positions):
         """The forward over the packed tokens (1, N); its logits unpacked to (a, w + 1, V)."""
@@ -334,8 +334,10 @@ class DSparkBatchGeneration:
         """(accepted drafts per row (a,), the token after them (a,)): greedy, the target's argmax wherever the drafts
         agreed with it; sampling, speculative sampling row by row."""
         tokens = drafts.token_ids.to(logits.device)
-        slots = torch.arange(tokens.shape[1], device=logits.device)
-        proposed = slots[None, :] < counts[:, None]
+        if not tokens.shape[1]:  # a plain step: the target's own token
+            first = logits[:, 0]
+            return torch.zeros_like(counts), torch.multinomial(first.softmax(-1), 1)[:, 0] if self.do_sample else first.argmax(-1)
+        proposed = torch.arange(tokens.shape[1], device=logits.device)[None, :] < counts[:, None]
         if not self.do_sample:
             choice = logits.argmax(dim=-1)  # (a, w + 1)
             agree = (tokens == choice[:, :-1]) & proposed
@@ -347,8 +349,6 @@ class DSparkBatchGeneration:
         """Draft n survives with probability min(1, p(x)/q(x)); the first that does not is replaced by a draw from
         norm(max(p - q, 0)), and a row whose drafts all survive draws its bonus token from p (Leviathan et al.)."""
         p = F.softmax(logits, dim=-1)  # (a, w + 1, V)
-        if tokens.shape[1] == 0:
-            return tokens.new_zeros(tokens.shape[0]), torch.multinomial(p[:, 0], 1).squeeze(1)
         q = F.softmax(draft_scores.to(p.device).float(), dim=-1)  # (a, w, V)
         p_x, q_x = p[:, :-1].gather(2, tokens[..., None]).squeeze(2), q.gather(2, tokens[..., None]).squeeze(2)
         survives = (torch.rand_like(p_x) * q_x < p_x) & proposed
@@ -371,17 +371,15 @@ class DSparkBatchGeneration:
 
     def _advance(self, batch: DSparkBatchRows, tokens, counts, accepted, bonus, outputs):
         """Commit each row's accepted drafts and bonus token, mark rejected columns as holes, let finished rows go."""
-        width = tokens.shape[1]
+        width, rows = tokens.shape[1], batch.rows.numel()
         slots = torch.arange(width + 1, device=accepted.device)
-        new_positions = batch.next_position[:, None] + slots
-        self._extend_context(batch, outputs.hidden_states, new_positions)
+        self._extend_context(batch, outputs.hidden_states, batch.next_position[:, None] + slots)
         batch.mask = torch.cat([batch.mask, (slots[None, :] <= accepted[:, None]).long()], dim=1)
-        drafted, taken = tokens.tolist(), accepted.tolist()
-        committed = [row[:n] + [token] for row, n, token in zip(drafted, taken, bonus.tolist())]
-        batch.next_position = batch.next_position + accepted + 1
-        batch.anchor = bonus
+        committed = [row[:n] + [token] for row, n, token in zip(tokens.tolist(), accepted.tolist(), bonus.tolist())]
+        batch.next_position, batch.anchor = batch.next_position + accepted + 1, bonus
         self._commit(batch, committed)
-        batch.tidy(lambda: self._catch_up(batch))
+        if width or batch.rows.numel() < rows:  # a plain step that every row stays for leaves no column to tidy
+            batch.tidy(lambda: self._catch_up(batch))
 
     def _commit(self, batch: DSparkBatchRows, committed: list[list[int]]):
         """Append each row's new tokens up to the first on which it stops (EOS, max length, stop strings, custom
@@ -404,9 +402,9 @@ class DSparkBatchGeneration:
                         for kept in (self.scores, self.logits):
                             if kept is not None:
                                 kept.truncate(row, self.stopped_at[row])
-        keep = torch.tensor([not self._done(row) for row in batch.rows.tolist()], device=batch.rows.device)
-        if not bool(keep.all()):
-            batch.keep(keep)
+        keep = [not self._done(row) for row in batch.rows.tolist()]
+        if not all(keep):
+            batch.keep(torch.tensor(keep, device=batch.rows.device))
 
     def _done(self, row: int) -> bool:
         """A row is done when it stopped (pads follow), or, where transformers writes on after a stop, at max length
