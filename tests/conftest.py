@@ -23,14 +23,20 @@ import psutil
 import pytest
 import torch
 from transformers import (
+    FalconConfig,
+    FalconForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    NemotronConfig,
+    NemotronForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    StableLmConfig,
+    StableLmForCausalLM,
 )
 
 from dspark_hf import DSparkConfig, DSparkForDrafting
@@ -41,6 +47,10 @@ TINY_ARCHITECTURES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+    # layers that do not hand the forward's kwargs to the attention function (the batch loop cannot pack them):
+    "stablelm": (StableLmConfig, StableLmForCausalLM),  # partial rotary (a quarter of each head)
+    "falcon": (FalconConfig, FalconForCausalLM),  # parallel attention and MLP, one key/value head, its own SDPA call
+    "nemotron": (NemotronConfig, NemotronForCausalLM),  # partial rotary, layer norm + 1
 }
 
 # Under pytest-xdist (`make test` runs two workers) each worker gets one core; tiny models gain nothing from more.
@@ -52,21 +62,12 @@ def make_tiny_target(architecture: str = "llama", vocab_size: int = TINY_VOCAB, 
     """A small random causal LM (fp32, eval mode) with the given architecture (and config fields, e.g. a sliding
     window)."""
     config_class, model_class = TINY_ARCHITECTURES[architecture]
-    config = config_class(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=vocab_size,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        **config_overrides,
-    )
+    settings = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=vocab_size, max_position_embeddings=512,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    if isinstance(getattr(config_class, "head_dim", None), property):  # Falcon derives it from the hidden size
+        del settings["head_dim"]
+    config = config_class(**settings | config_overrides)
     torch.manual_seed(seed)
     return model_class(config).eval()
 

@@ -227,6 +227,39 @@ def test_sliding_window_targets_are_served_in_batches_token_identical(batch_orac
     assert stats.packed is (packed and attention == "sdpa") and sum(stats.drafted) > sum(stats.accepted) > 0
 
 
+UNPACKED_FAMILIES = {  # decoders whose layers attend without the forward's kwargs, each way transformers ships them
+    "stablelm": dict(), "stablelm parallel residual": dict(use_parallel_residual=True),
+    "falcon": dict(), "falcon new decoder": dict(new_decoder_architecture=True, num_kv_heads=2),
+    "falcon alibi": dict(alibi=True), "nemotron": dict(),
+}
+
+
+@pytest.mark.parametrize("name", list(UNPACKED_FAMILIES))
+def test_targets_whose_layers_drop_the_packing_are_served_padded_in_batches(batch_oracle, name):
+    """StableLM, Falcon and Nemotron at batch sizes 1 to 8, packing asked for: prompts of different lengths (a packed
+    prefill where packing serves), two drafts accepted a round (holes), rows that leave; every row is plain batched
+    generate's, verified padded."""
+    batch_oracle["wrong_from"] = 2
+    target = make_tiny_target(name.split()[0], **UNPACKED_FAMILIES[name])
+    drafter = make_drafter(target)
+    drafter.generation_config.dspark_packed_verification = True
+    for size in (1, 3, 8):
+        batch = left_padded(PROMPTS[:size])
+        expected = batched_greedy(target, batch, max_new_tokens=16, eos_token_id=7)
+        assert torch.equal(batched_greedy(target, batch, max_new_tokens=16, eos_token_id=7, assistant_model=drafter),
+                           expected), size
+    stats = drafter.last_generation_stats
+    assert stats.packed is False and stats.prefill_tokens == stats.prefill_padded_tokens
+    assert sum(stats.drafted) > sum(stats.accepted) > 0
+
+
+def test_packing_is_trusted_only_where_a_packed_forward_matches_the_padded_one():
+    from dspark_hf.remote_code.packing_dspark import serves_packed
+
+    assert serves_packed(make_tiny_target("llama")) and serves_packed(make_tiny_target("gemma3", sliding_window=4))
+    assert not any(serves_packed(make_tiny_target(family)) for family in ("stablelm", "falcon", "nemotron"))
+
+
 def test_attention_a_batch_cannot_serve_is_refused_in_one_line():
     target = make_tiny_target("gemma3", sliding_window=4)
     target.config.layer_types[1], target.config.attention_chunk_size = "chunked_attention", 4

@@ -181,7 +181,7 @@ def test_function_lengths_count_def_to_end(tmp_path):
 # Remote code split by concern (issue 25): the model file is the model; each other concern has a file of its own.
 
 MODEL_FILE_LIMIT, SIBLING_FILE_LIMIT = 800, 500
-REMOTE_CODE_TOTAL_LIMIT = 3585  # issue 34: smaller than the 3,586 lines the remote code had when it was filed
+REMOTE_CODE_TOTAL_LIMIT = 3609  # issue 34 held it under 3,586; issue 56 added the packing probe (24 lines)
 NOT_THE_MODEL = ("perf_counter", "cpuinfo", "hashlib", "json.dump", "setattr(GenerationMixin")
 
 

@@ -8,14 +8,15 @@ values in the rows' padded layout (a shorter row's extra columns are holes), and
 unpacks the queries, attends per row with the round's 4-D mask, and packs the output again. A packed prefill (each
 prompt's own tokens) attends row by row instead, causal over the row's own keys. Every batch round, packed or
 padded, runs the query heads that share a key/value head as that head's queries (`_folded_heads`), as transformers
-does for plain decoding's single query. Serves any decoder on transformers' "sdpa" attention (`packs(target)`);
-others are verified padded. Sliding-window layers get masks of their own, from the rows' own positions
+does for plain decoding's single query. Serves a decoder on transformers' "sdpa" attention whose packed forward is
+exact (`packs(target)`, tried once per target); others are verified padded. Sliding-window layers get masks of their own, from the rows' own positions
 (`windowed_masks`).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -32,6 +33,7 @@ class DSparkPacking:
     def __init__(self, counts: torch.LongTensor, rows_alone: bool = False):  # (a,) drafts verified per row
         self.num_rows, self.width = counts.shape[0], int(counts.max()) + 1
         self.rows_alone = rows_alone  # a prefill: each row attends to its own tokens only (`_rows_alone`)
+        self.attended = 0  # attention calls that saw this packing (`serves_packed` counts them)
         slots = torch.arange(self.width, device=counts.device)
         self.valid = slots[None, :] <= counts[:, None]  # (a, W) the verified slots of each row
         self.rows, self.slots = self.valid.nonzero(as_tuple=True)  # (N,) each, row-major
@@ -139,6 +141,7 @@ def _batch_round_attention(original: Callable) -> Callable:
             if not dspark_batch_round:
                 return original(module, query, key, value, attention_mask, *args, **kwargs)
             return _folded_heads(original, module, query, key, value, attention_mask, *args, **kwargs)
+        dspark_packing.attended += 1
         if dspark_packing.rows_alone:
             return _rows_alone(original, module, query, key, value, dspark_packing, *args, **kwargs)
         output, weights = _folded_heads(original, module, dspark_packing.unpack_heads(query), key, value, attention_mask,
@@ -165,10 +168,37 @@ def install_packed_attention():
 
 
 def packs(target: PreTrainedModel, cache) -> bool:
-    """Whether a round of this target can be verified packed: SDPA attention, and a packing cache whose layers keep
-    every column (the batch loop makes one for every target it serves)."""
+    """Whether a round of this target can be verified packed: SDPA attention, a packing cache whose layers keep every
+    column (the batch loop makes one for every target it serves), and a target whose every layer hands the forward's
+    kwargs to that attention (`serves_packed`)."""
     return (target.config._attn_implementation == PACKED_IMPLEMENTATION and isinstance(cache, DSparkPackedCache)
-            and all(type(layer) is DynamicLayer for layer in cache.layers))
+            and all(type(layer) is DynamicLayer for layer in cache.layers) and serves_packed(target))
 
 
-__all__ = ["DSparkPackedCache", "DSparkPacking", "attention_windows", "install_packed_attention", "packs"]
+_SERVES_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> `serves_packed`'s verdict
+
+
+def serves_packed(target: PreTrainedModel) -> bool:
+    """Whether a packed forward of this target is exact, tried once: prompts of one and two tokens packed against the
+    same left-padded. Code cannot tell: StableLM and Nemotron drop the kwargs before attention, Falcon calls SDPA
+    itself. Every layer that cached packed keys must have attended through the packing, and the logits must agree."""
+    if target not in _SERVES_PACKED:
+        install_packed_attention()
+        at = target.device
+        ids, mask = (torch.tensor(rows, device=at) for rows in ([[0, 1], [1, 2]], [[0, 1], [1, 1]]))
+        packing, cache = DSparkPacking(mask.sum(1) - 1, rows_alone=True), DSparkPackedCache()
+        cache.packing, exact = packing, 1e-4 if target.dtype == torch.float32 else 5e-2
+        try:
+            with torch.no_grad():
+                packed = target(input_ids=ids[mask.bool()][None], position_ids=torch.tensor([[0, 0, 1]], device=at),
+                                cache=cache, logits_to_keep=torch.tensor([0, 2], device=at), dspark_packing=packing,
+                                dspark_batch_round=True).logits[0].float()
+                padded = target(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                                use_cache=False).logits[:, -1].float()
+            _SERVES_PACKED[target] = packing.attended == len(cache.layers) > 0 and torch.allclose(packed, padded, exact, exact)
+        except (RuntimeError, ValueError, TypeError, IndexError):  # the shapes of rows attended apart: no packing
+            _SERVES_PACKED[target] = False
+    return _SERVES_PACKED[target]
+
+
+__all__ = ["DSparkPackedCache", "DSparkPacking", "attention_windows", "install_packed_attention", "packs", "serves_packed"]

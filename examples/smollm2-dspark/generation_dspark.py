@@ -117,10 +117,6 @@ class DSparkGenerationStats:
         """Batched: the tokens each round would have verified padded to its widest row, rows × (w + 1)."""
         return [rows * (width + 1) for rows, width in zip(self.round_rows, self.widths)]
 
-    def length_histogram(self) -> list[int]:
-        """Batched: (row, round) pairs by the number of drafts that row verified, 0..N."""
-        return [sum(d == k for d in self.drafted) for k in range(self.num_draft_tokens + 1)]
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "rounds": self.rounds,
