@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml setup.py
 setup: $(STAMP)
 
 test: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist worksteal
 
 demo: setup
 	HF_HUB_OFFLINE=1 $(PY) examples/demo.py

@@ -29,6 +29,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import sysconfig
 import textwrap
 from pathlib import Path
@@ -178,6 +179,20 @@ def _stdlib_files() -> list[Path]:
     return files
 
 
+LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$")  # a line as `ast` splits source: form feeds stay inside
+
+
+def _source_segment(lines: list[str], node: ast.AST) -> str:
+    """`ast.get_source_segment(text, node, padded=True)` from the file's lines split once: that function splits the
+    whole file again for every node, which made reading the standard library take 20 s."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset : node.end_col_offset].decode()
+    indent = "".join(c if c in "\f\t" else " " for c in lines[first].encode()[: node.col_offset].decode())
+    return "".join([indent + lines[first].encode()[node.col_offset :].decode(), *lines[first + 1 : last],
+                    lines[last].encode()[: node.end_col_offset].decode()])
+
+
 @functools.lru_cache(maxsize=1)
 def _documented_functions(max_lines: int = 30) -> tuple[tuple[str, str, ast.FunctionDef, str], ...]:
     """(module, qualified name, node, source) of every public, documented standard-library function of 4..max_lines
@@ -189,7 +204,7 @@ def _documented_functions(max_lines: int = 30) -> tuple[tuple[str, str, ast.Func
         module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         try:
             text = path.read_text(encoding="utf-8")
-            tree = ast.parse(text)
+            tree, lines = ast.parse(text), LINE.findall(text)
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         scopes = [("", tree)] + [(f"{n.name}.", n) for n in tree.body if isinstance(n, ast.ClassDef)]
@@ -197,7 +212,7 @@ def _documented_functions(max_lines: int = 30) -> tuple[tuple[str, str, ast.Func
             for node in scope.body:
                 if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or not ast.get_docstring(node):
                     continue
-                source = textwrap.dedent(ast.get_source_segment(text, node, padded=True) or "")
+                source = textwrap.dedent(_source_segment(lines, node))
                 if source and 4 <= source.count("\n") + 1 <= max_lines and (module, prefix + node.name) not in seen:
                     seen.add((module, prefix + node.name))
                     found.append((module, prefix + node.name, node, source))

