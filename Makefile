@@ -1,5 +1,6 @@
 # dspark-hf: `make test` builds .venv from nothing and runs the suite; `make demo` answers chat prompts with the
-# shipped SmolLM2 drafter; `make drafter` retrains that drafter end to end with the package's own CLI;
+# shipped SmolLM2 drafter; `make corpus` grows the SmolLM2 corpus in git (examples/smollm2-corpus); `make drafter`
+# retrains that drafter end to end with the package's own CLI (from the corpus in git);
 # `make sync-remote-code` copies the root remote-code files into every shipped checkpoint (a checkpoint carries its own).
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +12,7 @@ TESTED_TRANSFORMERS := 5.24.0
 REMOTE_CODE := $(shell sed -n '/^REMOTE_CODE_FILES = (/,/^)/p' configuration_dspark.py | grep -o '"[a-z_]*\.py"' | tr -d '"')
 SHIPPED_CHECKPOINTS := examples/smollm2-dspark examples/smollm2-dflash
 
-.PHONY: setup test demo drafter sync-remote-code clean
+.PHONY: setup test demo corpus drafter sync-remote-code clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,9 @@ test: setup
 
 demo: setup
 	HF_HUB_OFFLINE=1 $(PY) examples/demo.py
+
+corpus: setup
+	HF_HUB_OFFLINE=1 bash examples/grow_corpus.sh
 
 drafter: setup sync-remote-code
 	HF_HUB_OFFLINE=1 bash examples/make_drafter.sh

@@ -20,6 +20,7 @@ from .progress import close_all
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "regenerate": ("dspark_hf.regenerate", "let the target write every assistant turn (on-policy data)"),
+    "corpus": ("dspark_hf.corpus_store", "pack a regenerated corpus into git (gzips and a manifest), check it, unpack it"),
     "cache": ("dspark_hf.cache", "capture target hidden states into a sharded safetensors cache (bf16 or fp8; "
               "`accelerate launch` splits it across processes)"),
     "vocab": ("dspark_hf.vocab", "build the draft vocabulary (d2t/t2d) from assistant-token frequencies"),

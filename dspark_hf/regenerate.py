@@ -483,6 +483,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .data import load_selected_conversations
+    from .provenance import check_or_record_settings
     from .targets import check_drafter_dir, load_target, placement_from_args
 
     if args.drafter and not args.server:
@@ -494,6 +495,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_turns is not None:
         conversations = [_first_user_turns(c, args.max_turns) for c in conversations]
     placement = placement_from_args(args)
+    check_or_record_settings(args.output, _recorded_settings(args))
     if args.server:
         if placement:
             raise ValueError("--device-map places a target loaded here; with --server the server holds the target, so drop --device-map")
@@ -511,6 +513,21 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"regenerate: wrote {written} conversations ({len(conversations) - written} already done) -> {args.output}")
     return 0
+
+
+def _recorded_settings(args: argparse.Namespace) -> dict:
+    """What shapes the replies, recorded beside the output so a resumed run cannot mix in others (`provenance`); the
+    number of conversations (--limit), the batching and a --drafter are not among them."""
+    from .targets import target_identity
+
+    served = {"name": args.model_name or args.target, "server": True}
+    return {
+        "target": served if args.server else target_identity(args.target),
+        "dtype": None if args.server else args.dtype,
+        "input": str(args.dataset), "messages_column": args.messages_column, "split": args.split,
+        "max_turns": args.max_turns, "max_length": args.max_length, "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+    }
 
 
 def _load_drafter(directory: str, model):

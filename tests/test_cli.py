@@ -12,21 +12,11 @@ from pathlib import Path
 
 import pytest
 import transformers
-from conftest import make_tiny_target
 
 from dspark_hf import cli
 from dspark_hf.data import read_jsonl, split_of
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2_tokenizer):
-    """A tiny random chat target saved as a normal model directory (SmolLM2's tokenizer and template)."""
-    path = tmp_path_factory.mktemp("tiny-target")
-    make_tiny_target("llama", vocab_size=len(smollm2_tokenizer), layers=2).save_pretrained(path)
-    smollm2_tokenizer.save_pretrained(path)
-    return path
 
 
 def _records_of_split(split: str, n: int) -> list[dict]:

@@ -104,6 +104,22 @@ def test_loss_decreases_and_tau_rises_on_validation():
     assert list((output / "logs").rglob("events.out.tfevents.*"))
 
 
+def test_rerunning_a_finished_run_does_nothing_and_other_settings_are_refused(capsys):
+    """A pipeline reruns to continue; a finished `train` must neither retrain nor overwrite its drafter."""
+    run = trained_run()
+    output = Path(run["output_dir"])
+    drafter = output / "drafter" / "model.safetensors"
+    before = (drafter.stat().st_mtime_ns, drafter.read_bytes())
+    again = train(tiny_args(output, max_steps=60, eval_steps=30, report_to=None, resume=True, logging_steps=5))
+    assert again["already_finished"] and again["step"] == 60 and again["eval"] == run["eval"]
+    assert (drafter.stat().st_mtime_ns, drafter.read_bytes()) == before
+    assert "finished already with these settings (step 60); nothing to do" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"holds a finished run with other settings \(learning_rate 0.01 -> 0.005\); "
+                                         r"pass another --output-dir \(with --init-from .*drafter to continue"):
+        train(tiny_args(output, max_steps=60, eval_steps=30, learning_rate=5e-3))
+    assert (drafter.stat().st_mtime_ns, drafter.read_bytes()) == before
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
     """kill -9 a real `dspark-hf train` process mid-run, resume from its last checkpoint (mid-epoch), and land on the

@@ -24,6 +24,7 @@ Output directory layout:
                                    half-written checkpoint that `--resume` would pick up
   drafter/                         the final drafter (`AutoModel.from_pretrained(dir, trust_remote_code=True)`)
   adapter/                         the final LoRA adapter (LoRA runs)
+  finished.json                    the settings and summary of a finished run: rerunning it does nothing (`finished`)
   logs/                            tracker files (TensorBoard by default)
 """
 
@@ -51,6 +52,7 @@ from ..progress import progress
 from ..targets import load_target_heads
 from .anchors import sample_batch_anchors, slot_mask
 from .build import build_drafter
+from .finished import finished_summary, record_finished
 from .losses import LossConfig, MetricWindow, draft_labels, dspark_loss, target_probabilities
 from .online import OnlineHiddenStates, check_data_source, float32_target, open_online
 
@@ -475,6 +477,8 @@ def finish(loop: TrainingLoop) -> dict[str, Any]:
         result["checkpoint"] = str(loop.checkpoint(loop.eval_metrics))
         result.update(save_final(loop.accelerator, loop.model, loop.args))
     result["eval"] = loop.eval_metrics
+    if result["finished"] and loop.accelerator.is_main_process:
+        record_finished(loop.args, result)  # last: a run killed before it reruns its final steps
     result["eval_history"] = loop.history
     loop.accelerator.end_training()
     return result
@@ -483,8 +487,17 @@ def finish(loop: TrainingLoop) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------- train
 def train(args: TrainingArguments) -> dict[str, Any]:
     """Train a DSpark drafter on `args.train_cache` (or online, running the target on `args.dataset`); returns the
-    final validation metrics and output paths."""
+    final validation metrics and output paths; a run that finished in `args.output_dir` with these settings is not
+    run again (`finished`)."""
     check_data_source(args)
+    done = finished_summary(args)
+    if done is not None:
+        print(f"train: {args.output_dir} finished already with these settings (step {done.get('step')}); nothing to do")
+        return {**done, "already_finished": True}
+    return _train(args)
+
+
+def _train(args: TrainingArguments) -> dict[str, Any]:
     new_output_dir = None if Path(args.output_dir).exists() else Path(args.output_dir)
     accelerator = make_accelerator(args, Path(args.output_dir))
     output_lock = claim_output_dir(accelerator, Path(args.output_dir))  # held until train returns
