@@ -55,6 +55,7 @@ REMOTE_CODE_FILES = (
 )
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+MARKOV_INPUT_VOCABS = ("target", "draft")  # which ids index the Markov input table W1
 
 # The auto classes that load a drafter (`auto_map`): AutoModel, and AutoModelForCausalLM as users load assistants.
 DRAFTER_AUTO_CLASSES = ("AutoModel", "AutoModelForCausalLM")
@@ -106,6 +107,9 @@ class DSparkConfig(PreTrainedConfig):
             `True` = DSpark paper/DeepSpec convention (slot k predicts position p+k+1, B drafts).
         markov_rank (`int`): rank r of the Markov head; 0 disables it.
         markov_head_type (`str`): `vanilla`, `gated` or `rnn`.
+        markov_input_vocab (`str`): which ids index the Markov input table W1: `target` (one row per target token,
+            the speculators/vLLM layout) or `draft` (one row per draft token plus one shared by every token outside
+            the draft vocabulary: a quarter of the rows for a 16k draft vocabulary; export expands it to `target`).
         enable_confidence_head (`bool`), confidence_head_with_markov (`bool`): the confidence head and whether it
             also reads the Markov embedding of the previous token.
         confidence_temperatures (`list[float]`): per-draft temperatures from Sequential Temperature Scaling (1.0 =
@@ -156,6 +160,7 @@ class DSparkConfig(PreTrainedConfig):
     # DSpark heads.
     markov_rank: int = 0
     markov_head_type: str = "vanilla"
+    markov_input_vocab: str = "target"
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = True
     confidence_temperatures: list[float] | None = None
@@ -203,7 +208,7 @@ class DSparkConfig(PreTrainedConfig):
     def _check(self):
         """One clear error per impossible combination (docs/design.md §9): the first (condition, message) that holds is raised."""
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
-        rank, head_type = self.markov_rank, self.markov_head_type
+        rank, head_type, inputs = self.markov_rank, self.markov_head_type, self.markov_input_vocab
         vocab, draft_vocab, mask = self.vocab_size, self.draft_vocab_size, self.mask_token_id
         aux_ids, target_layers = self.aux_hidden_state_layer_ids, self.target_num_hidden_layers
         drafts, temperatures = self.num_draft_tokens, self.confidence_temperatures
@@ -217,6 +222,7 @@ class DSparkConfig(PreTrainedConfig):
             (head_type not in MARKOV_HEAD_TYPES,
              f"unknown markov_head_type {head_type!r}; use one of {', '.join(MARKOV_HEAD_TYPES)}."),
             (rank < 0, f"markov_rank={rank} is negative; use 0 to disable the Markov head."),
+            (inputs not in MARKOV_INPUT_VOCABS, f"unknown markov_input_vocab {inputs!r}; use one of {', '.join(MARKOV_INPUT_VOCABS)}."),
             (rank == 0 and head_type != "vanilla",
              f"markov_head_type={head_type!r} needs markov_rank > 0; set a rank or use 'vanilla'."),
             (not 1 <= draft_vocab <= vocab,
@@ -237,9 +243,8 @@ class DSparkConfig(PreTrainedConfig):
              f"confidence_temperatures needs {drafts} positive values (one per draft), got {temperatures}; "
              "use 1.0 for uncalibrated positions."),
         )
-        for failed, message in checks:
-            if failed:
-                raise ValueError(f"DSparkConfig: {message}")
+        for message in [message for failed, message in checks if failed][:1]:
+            raise ValueError(f"DSparkConfig: {message}")
 
     # ----------------------------------------------------------------------------------------------------------------
     # Derived views

@@ -6,7 +6,9 @@ Three views of the same drafter:
   compared with the target's p_k (both restricted to the draft vocabulary, teacher-forced with the data tokens as
   previous tokens); 1 - TV_k is the acceptance of draft k given the drafts before it. τ = mean over blocks of
   1 + Σ_k Π_{i≤k} (1 - TV_i), "out of B" — the Kimi-K2.6 DSpark card's definitions (docs/design.md §3), so the numbers
-  are comparable with it. Computed with `dspark_hf.metrics`, the functions training reports with.
+  are comparable with it. Computed with `dspark_hf.metrics`, the functions training reports with. Greedy τ puts
+  1 where the drafter's argmax is the target's in place of 1 - TV_k (on a corpus of the target's greedy answers the
+  data tokens are the ones greedy decoding would have accepted).
 - **online** (real `target.generate(..., assistant_model=drafter)` on held-out chat prompts, the test split):
   mean accepted length per verify round including the bonus token, cumulative and conditional per-position
   acceptance, the accepted-length histogram, and tokens/s next to plain `generate` on the same prompts in the same
@@ -316,6 +318,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"  τ = {off['tau']:.3f} of {off['block_size']}   τ/B = {off['tau_over_B']:.3f}",
             f"  acceptance 1-TV_k      : {_fmt(off['acceptance'])}",
             f"  survival Π(1-TV_i)     : {_fmt(off['acceptance_cumulative'])}",
+            f"  greedy τ = {off['greedy']['tau']:.3f} of {off['block_size']} (draft argmax = target argmax)",
+            f"  greedy acceptance      : {_fmt(off['greedy']['acceptance'])}",
         ]
     for on in report.get("online", []):
         lines += [
@@ -407,6 +411,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                                       progress=not args.no_progress)
         report["offline"] = offline_metrics(rollouts["accept"], rollouts["mask"], drafter.config.block_size)
         off = report["offline"]
+        off["greedy"] = offline_metrics(rollouts["greedy_accept"], rollouts["mask"], drafter.config.block_size)
         curves["offline (teacher-forced)"] = {"conditional": off["acceptance"], "conditional_n": off["blocks_per_position"],
                                               "cumulative": off["acceptance_cumulative"], "cumulative_n": off["blocks_per_position"]}
         if "confidence_logits" in rollouts:

@@ -49,7 +49,8 @@ def rollouts_from_blocks(confidence_logits: torch.Tensor, accept: torch.Tensor, 
 
 
 def _block_acceptance(model, batch: dict[str, torch.Tensor], max_anchors: int, seed: int):
-    """(accept, mask, confidence logits or None) of the sampled anchors of one collated batch, each (J_valid, N)."""
+    """(accept, greedy accept, mask, confidence logits or None) of the sampled anchors of one collated batch, each
+    (J_valid, N). Greedy accept: the drafter's argmax is the target's (both over the draft vocabulary)."""
     N = model.num_draft_tokens
     anchors, anchor_mask = sample_batch_anchors(batch["loss_mask"], batch["lengths"], batch["index"], N,
                                                 max_anchors, seed, epoch=-1)  # (b, J) each
@@ -59,26 +60,29 @@ def _block_acceptance(model, batch: dict[str, torch.Tensor], max_anchors: int, s
     tv = slot_terms(out.logits, target)[0]  # (b, J, N)
     keep = anchor_mask.bool()
     accept = (1.0 - tv).clamp(0, 1)[keep].cpu()
+    greedy = (out.logits.argmax(-1) == target.probs.argmax(-1)[target.rows]).float()[keep].cpu()
     mask = slot_mask(batch["loss_mask"], anchors, anchor_mask, N)[keep].cpu()
     confidence = out.confidence_logits.float()[keep].cpu() if out.confidence_logits is not None else None
-    return accept, mask, confidence
+    return accept, greedy, mask, confidence
 
 
 @torch.no_grad()
 def offline_acceptance(model, cache, max_anchors: int = 10_000, batch_size: int = 4, max_samples: int | None = None,
                        seed: int = 0, progress: bool = True, desc: str = "eval") -> dict[str, torch.Tensor]:
-    """Teacher-forced 1 - TV_k of every (sampled) anchor block of `cache`: accept (M, N), mask (M, N), and the raw
-    confidence logits (M, N) when the drafter has a confidence head. `progress`: a bar, else log lines."""
+    """Teacher-forced 1 - TV_k of every (sampled) anchor block of `cache`: accept (M, N), greedy_accept (M, N, 0/1),
+    mask (M, N), and the raw confidence logits (M, N) when the drafter has a confidence head. `progress`: a bar, else
+    log lines."""
     model.eval()
     dataset = IndexedCache(cache)
     count = len(dataset) if max_samples is None else min(max_samples, len(dataset))
     device = model.fc.weight.device
-    accepts, masks, confidences = [], [], []
+    accepts, greedy_accepts, masks, confidences = [], [], [], []
     bar = progress_bar(total=count, desc=desc, unit="sample", enabled=progress)
     for start in range(0, count, batch_size):
         batch = collate_samples([dataset[i] for i in range(start, min(start + batch_size, count))])
-        accept, mask, confidence = _block_acceptance(model, {k: v.to(device) for k, v in batch.items()}, max_anchors, seed)
+        accept, greedy, mask, confidence = _block_acceptance(model, {k: v.to(device) for k, v in batch.items()}, max_anchors, seed)
         accepts.append(accept)
+        greedy_accepts.append(greedy)
         masks.append(mask)
         if confidence is not None:
             confidences.append(confidence)
@@ -86,7 +90,7 @@ def offline_acceptance(model, cache, max_anchors: int = 10_000, batch_size: int 
     bar.close()
     if not accepts or sum(a.shape[0] for a in accepts) == 0:
         raise ValueError("the cache has no valid anchors (assistant tokens with a full block after them); use a larger cache.")
-    result = {"accept": torch.cat(accepts), "mask": torch.cat(masks)}
+    result = {"accept": torch.cat(accepts), "greedy_accept": torch.cat(greedy_accepts), "mask": torch.cat(masks)}
     if confidences:
         result["confidence_logits"] = torch.cat(confidences)
     return result

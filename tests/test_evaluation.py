@@ -62,7 +62,7 @@ def test_offline_tau_equals_direct_block_by_block_computation(tiny, tmp_path):
     # Direct: every valid anchor, through the inference path (context cache + one block pass), with the vanilla
     # Markov bias W2·W1[prev] teacher-forced on the data tokens and the target distribution from the cached state.
     N = drafter.num_draft_tokens
-    accepts, masks = [], []
+    accepts, greedy_accepts, masks = [], [], []
     for i in range(len(cache)):
         s = cache[i]
         ids, loss, T = s["input_ids"], s["loss_mask"].bool(), len(s["input_ids"])
@@ -76,8 +76,10 @@ def test_offline_tau_equals_direct_block_by_block_computation(tiny, tmp_path):
             q = torch.softmax(logits.float(), -1)
             target_p = torch.softmax(s["final_hidden_state"][p : p + N].float() @ drafter.lm_head.weight.T, -1)
             accepts.append(torch.minimum(q, target_p).sum(-1))
+            greedy_accepts.append((q.argmax(-1) == target_p.argmax(-1)).float())
             masks.append(loss[p + 1 : p + N + 1])
     accept, mask = torch.stack(accepts), torch.stack(masks)
+    assert torch.equal(got["greedy_accept"], torch.stack(greedy_accepts))
     assert got["accept"].shape == accept.shape
     torch.testing.assert_close(got["accept"], accept, atol=2e-5, rtol=0)
     assert torch.equal(got["mask"], mask)

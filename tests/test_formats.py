@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from conftest import make_drafter, make_tiny_target
@@ -435,6 +435,20 @@ def test_export_writes_bound_embeddings_from_the_target(target, tmp_path):
     assert torch.equal(exported.embed_tokens.weight, target.get_input_embeddings().weight)
     assert torch.equal(exported.lm_head.weight, target.lm_head.weight[drafter.draft_to_target_ids])
     assert_same_drafts(drafter, exported)
+
+
+def test_export_writes_a_draft_vocabulary_markov_table_row_by_target_token(target, tmp_path):
+    """vLLM and speculators index W1 by target id: export expands the draft-vocabulary table exactly."""
+    drafter = make_drafter(target, draft_vocab_size=40, markov_input_vocab="draft")
+    with torch.no_grad():
+        drafter.markov_head.markov_w1.weight.normal_(0, 1.0)  # large enough to move drafts
+    drafter.save_pretrained(tmp_path / "draft-table")
+    out = export(tmp_path / "draft-table", tmp_path / "export", verifier="tiny/qwen3", dtype="float32")
+    config, table = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")["markov_head.markov_w1.weight"]
+    vocab = drafter.config.vocab_size
+    assert config["markov_input_vocab"] == "target" and table.shape == (vocab, 8)
+    assert torch.equal(table, drafter.markov_head.markov_w1.weight[drafter.markov_rows(torch.arange(vocab))])
+    assert_same_drafts(drafter, reload(out))
 
 
 def test_rerunning_a_finished_export_or_conversion_is_a_no_op_that_says_so(target, tmp_path, capsys):

@@ -84,10 +84,11 @@ def test_greedy_over_architectures_reaches_fifty_cases():
 
 
 @pytest.mark.parametrize("sample_from_anchor", [False, True])
-@pytest.mark.parametrize("markov_head_type", ["gated", "rnn"])
-def test_greedy_lossless_for_every_head_and_slot_convention(sample_from_anchor, markov_head_type):
+@pytest.mark.parametrize("markov_head_type, markov_input_vocab", [("gated", "target"), ("rnn", "target"), ("vanilla", "draft")])
+def test_greedy_lossless_for_every_head_and_slot_convention(sample_from_anchor, markov_head_type, markov_input_vocab):
     target = make_tiny_target("qwen3")
-    drafter = make_drafter(target, markov_head_type=markov_head_type, sample_from_anchor=sample_from_anchor, draft_vocab_size=40)
+    drafter = make_drafter(target, markov_head_type=markov_head_type, sample_from_anchor=sample_from_anchor, draft_vocab_size=40,
+                           markov_input_vocab=markov_input_vocab)
     for prompt in PROMPTS:
         expected = greedy(target, prompt, max_new_tokens=15)
         assert torch.equal(greedy(target, prompt, max_new_tokens=15, assistant_model=drafter), expected)
@@ -183,8 +184,9 @@ def test_sampling_matches_plain_sampling(markov_head_type, temperature):
 
 def test_sampling_on_a_smaller_draft_vocabulary_with_top_p_matches_plain_sampling():
     """Drafts drawn and warped (temperature, top-p) on a 4-token draft vocabulary of the 6-token target: q scattered
-    to the target vocabulary, zero on the two tokens the drafter cannot propose, which only the residual can give."""
-    target, drafter = sampling_setup("vanilla", draft_vocab_size=4)
+    to the target vocabulary, zero on the two tokens the drafter cannot propose, which only the residual can give.
+    The Markov input table spans the draft vocabulary (two tokens share its last row)."""
+    target, drafter = sampling_setup("vanilla", draft_vocab_size=4, markov_input_vocab="draft")
     assert drafter.draft_to_target_ids.tolist() == [0, 1, 2, 4]
     reference = exact_pair_distribution(target, 0.8, top_p=0.9)
     p_value = chi_square_p_value(sample_pairs(target, drafter, 0.8, seed=2, top_p=0.9), reference)

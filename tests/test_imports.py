@@ -181,7 +181,8 @@ def test_function_lengths_count_def_to_end(tmp_path):
 # Remote code split by concern (issue 25): the model file is the model; each other concern has a file of its own.
 
 MODEL_FILE_LIMIT, SIBLING_FILE_LIMIT = 800, 500
-REMOTE_CODE_TOTAL_LIMIT = 3609  # issue 34 held it under 3,586; issue 56 added the packing probe (24 lines)
+REMOTE_CODE_TOTAL_LIMIT = 3630  # issue 34 held it under 3,586; issue 56 added the packing probe (24 lines),
+# issue 57 the Markov table over the draft vocabulary (21)
 NOT_THE_MODEL = ("perf_counter", "cpuinfo", "hashlib", "json.dump", "setattr(GenerationMixin")
 
 

@@ -283,10 +283,12 @@ def test_training_mask_hides_the_future_and_other_blocks():
     assert not torch.allclose(changed[0, 1], base[0, 1])
 
 
-@pytest.mark.parametrize("markov_head_type", ["vanilla", "gated", "rnn"])
-def test_greedy_drafting_is_argmax_of_parallel_logits_plus_markov_bias(markov_head_type):
+@pytest.mark.parametrize("markov_head_type, markov_input_vocab", [
+    ("vanilla", "target"), ("gated", "target"), ("rnn", "target"), ("vanilla", "draft"), ("rnn", "draft")])
+def test_greedy_drafting_is_argmax_of_parallel_logits_plus_markov_bias(markov_head_type, markov_input_vocab):
     target = make_tiny_target("llama")
-    drafter = make_drafter(target, markov_head_type=markov_head_type, draft_vocab_size=48)
+    drafter = make_drafter(target, markov_head_type=markov_head_type, draft_vocab_size=48,
+                           markov_input_vocab=markov_input_vocab)
     with torch.no_grad():  # make the bias large enough to matter
         drafter.markov_head.markov_w1.weight.normal_(0, 1.0)
         drafter.markov_head.markov_w2.weight.normal_(0, 1.0)
@@ -301,13 +303,24 @@ def test_greedy_drafting_is_argmax_of_parallel_logits_plus_markov_bias(markov_he
     head, prev, tokens = drafter.markov_head, torch.tensor([9]), []
     state = drafter._markov_start_state(rows, prev)  # rnn: slot 0 has stepped the recurrence
     for n in range(drafter.num_draft_tokens):
-        bias, state = head.step(hidden[:, n], head.embed_previous(prev), state)
+        bias, state = head.step(hidden[:, n], head.embed_previous(drafter.markov_rows(prev)), state)
         prev = drafter.draft_to_target_ids[(U[:, n] + bias).argmax(-1)]
         tokens.append(prev)
     assert torch.equal(draft.token_ids[0], torch.cat(tokens))
     no_bias = drafter.draft_to_target_ids[U.argmax(-1)][0]
     assert not torch.equal(draft.token_ids[0], no_bias), "the Markov bias should change some drafts here"
     assert draft.token_ids.max() < 96 and bool(drafter.t2d[draft.token_ids].all())
+
+
+def test_a_markov_table_over_the_draft_vocabulary_has_a_row_per_draft_token_and_one_shared_by_the_rest():
+    target = make_tiny_target("llama")  # vocabulary 96, draft vocabulary 48: the even ids
+    drafter = make_drafter(target, draft_vocab_size=48, markov_input_vocab="draft")
+    assert drafter.markov_head.markov_w1.weight.shape == (49, 8)
+    rows = drafter.markov_rows(torch.tensor([[0, 2, 94], [1, 3, 95]]))
+    assert rows.tolist() == [[0, 1, 47], [48, 48, 48]]
+    assert torch.equal(drafter.markov_rows(drafter.draft_to_target_ids), torch.arange(48))
+    with pytest.raises(ValueError, match="markov_input_vocab 'mixed'"):
+        make_drafter(target, markov_input_vocab="mixed")
 
 
 def test_vanilla_bias_depends_on_the_previous_token_only():

@@ -276,6 +276,21 @@ def test_warm_start_on_the_same_draft_vocab_keeps_every_trained_tensor(tmp_path)
     assert not torch.equal(fresh.state_dict()["markov_head.markov_w2.weight"], trained["markov_head.markov_w2.weight"])
 
 
+def test_warm_start_into_a_draft_vocabulary_markov_table_keeps_each_draft_tokens_trained_row(tmp_path):
+    """`--init-from` a full-vocabulary drafter with `markov_input_vocab="draft"`: the draft tokens' W1 rows carry over
+    (so the drafts of in-vocabulary previous tokens are unchanged), the shared row is the mean of the rest."""
+    from dspark_hf.training.build import build_drafter
+
+    trained = _weights(trained_run()["drafter"])
+    args = tiny_args(tmp_path, init_from=str(trained_run()["drafter"]),
+                     drafter_config={**DRAFTER, "markov_input_vocab": "draft"})
+    drafter = build_drafter(args, AUX)
+    table, full, t2d = drafter.markov_head.markov_w1.weight, trained["markov_head.markov_w1.weight"], trained["t2d"]
+    assert table.shape == (int(t2d.sum()) + 1, full.shape[1])
+    assert torch.equal(table[drafter.markov_rows(drafter.draft_to_target_ids)], full[drafter.draft_to_target_ids])
+    torch.testing.assert_close(table[-1], full[~t2d].mean(0))
+
+
 def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     from dspark_hf.cli import main
 

@@ -1,8 +1,8 @@
 """`dspark-hf export --format speculators SRC DST`: a drafter ready for vLLM (`"method": "dspark"`) and speculators.
 
 Our checkpoints already use that layout; export makes it self-contained and canonical: bf16 weights with `d2t`
-int64 / `t2d` bool in one safetensors file, `speculators_config.verifier` filled in, and `embed_tokens`/`lm_head`
-written out (vLLM and the Kimi card expect them in the file) — copied from the target with `--target` when the
+int64 / `t2d` bool in one safetensors file, `speculators_config.verifier` filled in, a draft-vocabulary Markov input
+table written out row by target token, and `embed_tokens`/`lm_head` written out (vLLM and the Kimi card expect them in the file) — copied from the target with `--target` when the
 checkpoint binds them at attach time.
 """
 
@@ -42,6 +42,23 @@ def bind_from_target(checkpoint: DraftCheckpoint, target) -> DraftCheckpoint:
     return checkpoint
 
 
+@torch.no_grad()
+def markov_table_over_target_vocab(checkpoint: DraftCheckpoint) -> DraftCheckpoint:
+    """A draft-vocabulary Markov input table (`markov_input_vocab="draft"`) written out row by target token, the layout
+    vLLM and speculators read: each draft token keeps its row, every other token gets the shared last row. Exact: the
+    drafter drafts the same tokens from either table."""
+    config, tensors = checkpoint.config, checkpoint.tensors
+    name = "markov_head.markov_w1.weight"
+    if config.markov_input_vocab == "target" or name not in tensors:
+        return checkpoint
+    table, t2d = tensors[name], tensors["t2d"].bool()
+    full = table[-1].expand(config.vocab_size, -1).clone()
+    full[t2d] = table[:-1]  # draft ids ascend with target ids, so the i-th member of t2d is draft id i
+    tensors[name] = full
+    config.markov_input_vocab = "target"
+    return checkpoint
+
+
 def export(
     source: str | Path,
     destination: str | Path,
@@ -65,7 +82,7 @@ def export(
     if destination.exists() and any(destination.iterdir()) and not (destination / "config.json").is_file():
         raise FileExistsError(f"{destination} is not empty; choose a new output directory.")  # before any work
     bar = progress_bar(total=3, desc="export", unit="step", enabled=progress)
-    checkpoint = read_speculators(source)
+    checkpoint = markov_table_over_target_vocab(read_speculators(source))
     bar.update()
     if target is not None:
         if isinstance(target, (str, Path)):  # a path, a Hub id, or `smollm2` (the offline target)

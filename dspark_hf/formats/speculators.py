@@ -72,6 +72,7 @@ def read_speculators(directory: str | Path) -> DraftCheckpoint:
         verifier_name_or_path=verifier.get("name_or_path"),
         verifier_architectures=verifier.get("architectures") or None,
         confidence_temperatures=raw.get("confidence_temperatures"),
+        markov_input_vocab=raw.get("markov_input_vocab", "target"),  # ours only: export writes the `target` table
     )
     if algorithm == "dflash" and (config.markov_rank or config.enable_confidence_head):
         raise ValueError(f"{what}: a 'dflash' checkpoint carries Markov/confidence head tensors; label it 'dspark'.")

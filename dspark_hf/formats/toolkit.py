@@ -43,7 +43,7 @@ _SHAPE_HINTS = (
     (r"\.o_proj\.", "[hidden_size, num_attention_heads × head_dim]"),
     (r"\.mlp\.(gate|up)_proj\.", "[intermediate_size, hidden_size]"),
     (r"\.mlp\.down_proj\.", "[hidden_size, intermediate_size]"),
-    (r"markov_w1\.", "[vocab_size, markov_rank]"),
+    (r"markov_w1\.", "[vocab_size, markov_rank], or [draft_vocab_size + 1, markov_rank] with markov_input_vocab=draft"),
     (r"markov_w2\.", "[draft_vocab_size, markov_rank]"),
     (r"gate_proj\.", "[markov_rank, hidden_size + markov_rank]"),
     (r"joint_proj\.", "[3 × markov_rank, 2 × markov_rank + hidden_size]"),

@@ -143,6 +143,17 @@ def _check_shapes(drafter, state: dict[str, torch.Tensor], source: Path) -> None
         )
 
 
+def _markov_table_to_draft_rows(state: dict[str, torch.Tensor], drafter, t2d: torch.Tensor | None) -> None:
+    """A full-vocabulary Markov input table starting a draft-vocabulary one (`markov_input_vocab="draft"`): each draft
+    token (`t2d`) keeps its trained row, and the shared row starts as the mean of the others."""
+    name = "markov_head.markov_w1.weight"
+    table = state.get(name)
+    if drafter.config.markov_input_vocab != "draft" or table is None or t2d is None or table.shape[0] != t2d.numel():
+        return
+    t2d = t2d.bool()
+    state[name] = torch.cat([table[t2d], table[~t2d].float().mean(0, keepdim=True).to(table.dtype)])
+
+
 def _same_draft_vocab(state: dict[str, torch.Tensor], vocab) -> bool:
     """Whether `--draft-vocab` is the checkpoint's own mapping (a continued run), not a new vocabulary."""
     d2t = state.get("d2t")
@@ -156,6 +167,9 @@ def warm_start(source: Path, overrides: dict[str, Any], vocab, target, log=print
     state = dict(checkpoint.tensors)
     if vocab is not None and _same_draft_vocab(state, vocab):
         vocab = None  # continuing on the checkpoint's own vocabulary: its trained Markov rows stay
+    if vocab is not None and checkpoint.config.markov_input_vocab == "draft":
+        state.pop("markov_head.markov_w1.weight", None)  # its rows are the old draft vocabulary's
+    _markov_table_to_draft_rows(state, drafter, vocab[1] if vocab is not None else state.get("t2d"))
     if vocab is not None:
         for key in ("lm_head.weight", "d2t", "t2d", "markov_head.markov_w2.weight"):
             state.pop(key, None)

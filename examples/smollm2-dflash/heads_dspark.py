@@ -28,13 +28,15 @@ class DSparkVanillaMarkovHead(nn.Module):
     def __init__(self, config: DSparkConfig):
         super().__init__()
         self.markov_rank = config.markov_rank
-        self.markov_w1 = nn.Embedding(config.vocab_size, config.markov_rank)  # indexed by target ids
+        rows = config.vocab_size if config.markov_input_vocab == "target" else config.draft_vocab_size + 1  # + 1 shared
+        self.markov_w1 = nn.Embedding(rows, config.markov_rank)  # by every token outside the draft vocabulary
         self.markov_w2 = nn.Linear(config.markov_rank, config.draft_vocab_size, bias=False)
         self._bias_rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # previous token id -> bias (V_d,), LRU
         self._bias_rows_stamp: tuple | None = None
 
-    def embed_previous(self, prev_ids: torch.LongTensor) -> torch.Tensor:
-        return self.markov_w1(prev_ids)  # (..., r)
+    def embed_previous(self, prev_rows: torch.LongTensor) -> torch.Tensor:
+        """W1 rows (..., r) of the previous tokens: their target ids, or their draft rows (`DSparkDraftModel.markov_rows`)."""
+        return self.markov_w1(prev_rows)
 
     def anchor_state(self, anchor_hidden: torch.Tensor, anchor_embeds: torch.Tensor) -> torch.Tensor | None:
         """State before draft 1 under the DFlash slot convention (slot 0 = the anchor's row); stateless heads: None."""

@@ -268,6 +268,17 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """Target id of each draft id (V_d,)."""
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
+    def markov_rows(self, token_ids: torch.LongTensor) -> torch.LongTensor:
+        """Rows of the Markov input table W1 for target ids: the ids (`markov_input_vocab="target"`), or their draft ids
+        and V_d for every token outside the draft vocabulary (`"draft"`; draft ids ascend, so a binary search finds them)."""
+        if self.config.markov_input_vocab == "target":
+            return token_ids
+        draft_ids = torch.searchsorted(self.draft_to_target_ids, token_ids)
+        return torch.where(self.t2d[token_ids], draft_ids, self.d2t.numel())
+
+    def _previous_embeds(self, prev_ids: torch.LongTensor) -> torch.Tensor:
+        return self.markov_head.embed_previous(self.markov_rows(prev_ids))
+
     # --------------------------------------------------------------------------------------------------------------
     # Shared pieces of training and inference
     def fuse_context(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
@@ -314,12 +325,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """Markov state before draft 1 from the block rows (..., B, d): slot 0 steps it unless it drafts itself."""
         if self.markov_head is None or self.config.sample_from_anchor:
             return None
-        return self.markov_head.anchor_state(block_hidden[..., 0, :], self.markov_head.embed_previous(anchor_ids))
+        return self.markov_head.anchor_state(block_hidden[..., 0, :], self._previous_embeds(anchor_ids))
 
     def _markov_and_confidence(self, draft_hidden: torch.Tensor, prev_ids: torch.LongTensor,
                                state: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Teacher-forced Markov bias (..., N, V_d) and confidence logits (..., N) given each draft's previous token."""
-        prev_embeds = self.markov_head.embed_previous(prev_ids) if self.markov_head is not None else None
+        prev_embeds = self._previous_embeds(prev_ids) if self.markov_head is not None else None
         bias = self.markov_head.block_bias(draft_hidden, prev_embeds, state) if self.markov_head is not None else None
         confidence = self.confidence_head(draft_hidden, prev_embeds) if self.confidence_head is not None else None
         return bias, confidence
@@ -484,7 +495,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         prev = anchor_ids
         schedule.start()
         for n in range(draft_hidden.shape[1]):
-            prev_embeds = self.markov_head.embed_previous(prev) if self.markov_head is not None else None
+            prev_embeds = self._previous_embeds(prev) if self.markov_head is not None else None
             if self.confidence_head is not None:
                 confidence = self._calibrated_confidence(draft_hidden[:, n], prev_embeds, n)  # (b,)
                 if not schedule.admit(confidence):
