@@ -2,8 +2,8 @@
 
 Our checkpoints already use that layout; export makes it self-contained and canonical: bf16 weights with `d2t`
 int64 / `t2d` bool in one safetensors file, `speculators_config.verifier` filled in, a draft-vocabulary Markov input
-table written out row by target token, and `embed_tokens`/`lm_head` written out (vLLM and the Kimi card expect them in the file) — copied from the target with `--target` when the
-checkpoint binds them at attach time.
+table written out row by target token, and `embed_tokens`/`lm_head` written out (vLLM and the Kimi card expect them
+in the file) — copied from the target with `--target` when the checkpoint binds them at attach time.
 """
 
 from __future__ import annotations

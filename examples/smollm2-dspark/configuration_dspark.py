@@ -109,7 +109,7 @@ class DSparkConfig(PreTrainedConfig):
         markov_head_type (`str`): `vanilla`, `gated` or `rnn`.
         markov_input_vocab (`str`): which ids index the Markov input table W1: `target` (one row per target token,
             the speculators/vLLM layout) or `draft` (one row per draft token plus one shared by every token outside
-            the draft vocabulary: a quarter of the rows for a 16k draft vocabulary; export expands it to `target`).
+            the draft vocabulary: a third of the rows for a 16k draft vocabulary; export expands it to `target`).
         enable_confidence_head (`bool`), confidence_head_with_markov (`bool`): the confidence head and whether it
             also reads the Markov embedding of the previous token.
         confidence_temperatures (`list[float]`): per-draft temperatures from Sequential Temperature Scaling (1.0 =

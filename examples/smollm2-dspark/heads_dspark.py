@@ -28,8 +28,8 @@ class DSparkVanillaMarkovHead(nn.Module):
     def __init__(self, config: DSparkConfig):
         super().__init__()
         self.markov_rank = config.markov_rank
-        rows = config.vocab_size if config.markov_input_vocab == "target" else config.draft_vocab_size + 1  # + 1 shared
-        self.markov_w1 = nn.Embedding(rows, config.markov_rank)  # by every token outside the draft vocabulary
+        rows = config.vocab_size if config.markov_input_vocab == "target" else config.draft_vocab_size + 1
+        self.markov_w1 = nn.Embedding(rows, config.markov_rank)  # "draft": the last row serves every other token
         self.markov_w2 = nn.Linear(config.markov_rank, config.draft_vocab_size, bias=False)
         self._bias_rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # previous token id -> bias (V_d,), LRU
         self._bias_rows_stamp: tuple | None = None
