@@ -19,9 +19,10 @@ import argparse
 import hashlib
 import json
 import os
+import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -373,6 +374,17 @@ def _converse(server, dialogue: Dialogue, sampling: dict, seed: int | None, toke
     return dialogue, lengths
 
 
+def _unless_stopped(stop: threading.Event, work, *args):
+    """`work(*args)` unless an earlier conversation failed; a failure stops the conversations queued behind it."""
+    if stop.is_set():
+        raise CancelledError()  # never reaches the caller: it raises the earlier conversation's error first
+    try:
+        return work(*args)
+    except BaseException:
+        stop.set()
+        raise
+
+
 def regenerate_through_server(server, conversations: list[dict], output: str | os.PathLike, max_new_tokens: int = 256,
                               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, concurrency: int = 8,
                               tokenizer=None, max_length: int | None = None, progress: bool = True) -> int:
@@ -397,12 +409,13 @@ def regenerate_through_server(server, conversations: list[dict], output: str | o
                        desc="regenerate", enabled=progress)
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regenerate")
     pending: deque = deque()
+    stop = threading.Event()  # set by the first failed conversation, before a free worker can start the next one
     fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     written, throughput = 0, Throughput()
     try:
         while True:
             while len(pending) < 2 * concurrency and (dialogue := next(todo, None)) is not None:
-                pending.append(pool.submit(_converse, server, dialogue, sampling,
+                pending.append(pool.submit(_unless_stopped, stop, _converse, server, dialogue, sampling,
                                            seed if temperature > 0 else None, tokenizer, budget))
             if not pending:
                 break
