@@ -26,12 +26,15 @@ def shaping_settings(args) -> dict:
     return json.loads(json.dumps(settings, default=str))
 
 
-def record_finished(args, summary: dict) -> None:
-    path = Path(args.output_dir) / FINISHED
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """`payload` as JSON, written under a temporary name and renamed: a kill leaves the old file or the new one."""
     staging = path.with_name(f".{path.name}.tmp")
-    payload = {"settings": shaping_settings(args), "summary": summary}
     staging.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     os.replace(staging, path)
+
+
+def record_finished(args, summary: dict) -> None:
+    write_json_atomic(Path(args.output_dir) / FINISHED, {"settings": shaping_settings(args), "summary": summary})
 
 
 def finished_summary(args) -> dict | None:

@@ -52,7 +52,7 @@ from ..progress import progress
 from ..targets import load_target_heads
 from .anchors import sample_batch_anchors, slot_mask
 from .build import build_drafter
-from .finished import finished_summary, record_finished
+from .finished import finished_summary, record_finished, write_json_atomic
 from .losses import LossConfig, MetricWindow, draft_labels, dspark_loss, target_probabilities
 from .online import OnlineHiddenStates, check_data_source, float32_target, open_online
 
@@ -218,7 +218,7 @@ def save_checkpoint(accelerator, model, state: TrainerState, output_dir: Path, a
         (staging / "trainer_state.json").write_text(json.dumps({**state.state_dict(), "metrics": metrics or {}}, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
-        _write_json_atomic(output_dir / "training_args.json", asdict(args))
+        write_json_atomic(output_dir / "training_args.json", asdict(args))
         prune_checkpoints(output_dir, args.save_total_limit)
     accelerator.wait_for_everyone()
     return final
@@ -232,12 +232,6 @@ def prune_checkpoints(output_dir: Path, keep: int | None) -> None:
     complete = complete_checkpoints(output_dir)
     for old in complete[: max(len(complete) - keep, 0)]:
         shutil.rmtree(old)
-
-
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text(json.dumps(payload, indent=2, default=str))
-    os.replace(staging, path)
 
 
 def claim_output_dir(accelerator, output_dir: Path) -> FileLock | None:
