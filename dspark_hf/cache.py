@@ -52,6 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .data import add_dataset_arguments, load_selected_conversations
+from .files import write_json_atomic
 from .flags import layer_ids, positive_int
 from .progress import add_progress_argument, progress as progress_bar
 from .tokenization import tokenize_conversations
@@ -85,16 +86,6 @@ def _sha256_file(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def target_revision(model) -> str:
@@ -420,7 +411,7 @@ def _publish(output_dir: Path, manifest: dict, done: dict[str, dict]) -> None:
     manifest["num_samples"] = sum(s["num_samples"] for s in manifest["shards"])
     manifest["num_tokens"] = sum(s["num_tokens"] for s in manifest["shards"])
     manifest["complete"] = len(manifest["shards"]) == manifest["num_shards"]
-    _write_json_atomic(output_dir / MANIFEST, manifest)
+    write_json_atomic(output_dir / MANIFEST, manifest, sort_keys=True)
 
 
 def capture_shards(model, samples, todo: list[int], output_dir: Path, manifest: dict, done: dict[str, dict],

@@ -25,6 +25,7 @@ import json
 import os
 from pathlib import Path
 
+from .files import write_bytes_atomic, write_json_atomic
 from .provenance import SETTINGS_SUFFIX, differences, read_settings, write_settings
 
 MANIFEST = "manifest.json"
@@ -42,12 +43,6 @@ def _gzip(data: bytes) -> bytes:
     with gzip.GzipFile(filename="", mode="wb", compresslevel=9, fileobj=buffer, mtime=0) as packed:
         packed.write(data)
     return buffer.getvalue()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    staging = path.with_name(path.name + ".partial")
-    staging.write_bytes(data)
-    os.replace(staging, path)  # a kill leaves the old file or the new one, never half of one
 
 
 def _counts(data: bytes, tokenizer) -> dict:
@@ -96,7 +91,7 @@ def pack(data_dir: str | os.PathLike, corpus_dir: str | os.PathLike, target: str
         packed_name = path.name + ".gz"
         packed = _gzip(data)
         if not (corpus_dir / packed_name).is_file() or (corpus_dir / packed_name).read_bytes() != packed:
-            _write_atomic(corpus_dir / packed_name, packed)
+            write_bytes_atomic(corpus_dir / packed_name, packed)
         settings = {k: v for k, v in records[path.name].items() if k != "target"}
         entries[path.name] = {"packed": packed_name, "settings": settings, **_counts(data, tokenizer),
                               "sha256": _sha256(data), "packed_sha256": _sha256(packed)}
@@ -106,7 +101,7 @@ def pack(data_dir: str | os.PathLike, corpus_dir: str | os.PathLike, target: str
         (corpus_dir / stale).unlink()
     manifest = {"format": FORMAT, "target": identity, "files": entries, "total": _total(entries),
                 "packed_by": {"dspark-hf": __version__}}
-    _write_atomic(corpus_dir / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    write_json_atomic(corpus_dir / MANIFEST, manifest, sort_keys=True)
     log(f"corpus: packed {len(entries)} files into {corpus_dir} ({_summary(manifest)})")
     return manifest
 
@@ -205,7 +200,7 @@ def unpack(corpus_dir: str | os.PathLike, data_dir: str | os.PathLike, target: s
             raise ValueError(f"{local} was written with other settings than the packed {name} "
                              f"({'; '.join(differences(recorded, settings)[:3])}); delete it to use the packed one")
         if _merge(local, files[name], name):
-            _write_atomic(local, files[name])
+            write_bytes_atomic(local, files[name])
             written += 1
         write_settings(local, settings)
     log(f"corpus: {corpus_dir} ({_summary(manifest)}) -> {data_dir}: {written} files written, "

@@ -13,11 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 from .corpora import CORPORA
+from .files import atomic_path
 from .flags import positive_int
 
 ROLES = ("system", "user", "assistant")
@@ -137,15 +137,11 @@ def check_dataset(conversations: list[Conversation], name: str = "dataset", need
 
 def write_jsonl(path: str | os.PathLike, conversations: Iterable[Conversation]) -> int:
     """Write normalized conversations as messages JSONL (atomically: temp file then rename). Returns the count."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     count = 0
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+    with atomic_path(path) as staging, open(staging, "w", encoding="utf-8") as handle:
         for conv in conversations:
             handle.write(json.dumps({"id": conv["id"], "messages": conv["messages"]}, ensure_ascii=False) + "\n")
             count += 1
-    os.replace(tmp, path)
     return count
 
 

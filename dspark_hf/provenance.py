@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from .files import write_json_atomic
+
 SETTINGS_SUFFIX = ".settings.json"
 
 
@@ -34,11 +36,7 @@ def read_settings(output: str | os.PathLike) -> dict | None:
 
 def write_settings(output: str | os.PathLike, settings: dict) -> None:
     """The record, written whole (a temporary file renamed), so a kill never leaves half of one."""
-    path = settings_path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(path.name + ".partial")
-    staging.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
-    os.replace(staging, path)
+    write_json_atomic(settings_path(output), settings, sort_keys=True)
 
 
 def differences(recorded: dict, asked: dict, prefix: str = "") -> list[str]:

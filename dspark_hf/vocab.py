@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from .cache import HiddenStateCache
 from .data import load_conversations, split_conversations
+from .files import atomic_path
 from .flags import positive_int
 from .progress import add_progress_argument, progress as progress_bar
 from .tokenization import tokenize_conversations
@@ -80,12 +79,8 @@ def save_draft_vocab(path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tens
     """Write `d2t`/`t2d` to a small safetensors file, atomically."""
     if int(t2d.sum()) != d2t.numel():
         raise ValueError(f"t2d selects {int(t2d.sum())} tokens but d2t has {d2t.numel()}; they must describe the same vocabulary")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    save_file({"d2t": d2t.to(torch.int64).contiguous(), "t2d": t2d.to(torch.bool).contiguous()}, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as staging:
+        save_file({"d2t": d2t.to(torch.int64).contiguous(), "t2d": t2d.to(torch.bool).contiguous()}, str(staging))
 
 
 def load_draft_vocab(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:

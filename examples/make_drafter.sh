@@ -138,10 +138,12 @@ echo "chosen size: $CHOSEN ($SIZE_FLAGS)"
 
 # One training cycle of both drafters side by side (one core each; logs in $WORK/CYCLE-*.log): $1 = the cycle's name,
 # $2 = the cycle whose weights it starts from ("" = from scratch), rest = options for both.
-# The first cycle warm-starts from INIT_DSPARK / INIT_DFLASH (default: the shipped drafters) where they have the chosen
-# size, so each rebuild adds steps to the best weights so far; INIT_DSPARK= INIT_DFLASH= trains from scratch.
+# The first cycle warm-starts from INIT_DSPARK / INIT_DFLASH (default: the shipped drafters) where the chosen size can
+# grow from them (as many layers or more, a Markov rank as high or higher, the same FFN width and block: `train`
+# widens the checkpoint without changing its drafts), so each rebuild adds steps to the best weights so far;
+# INIT_DSPARK= INIT_DFLASH= trains from scratch.
 INIT_DSPARK=${INIT_DSPARK-examples/smollm2-dspark}; INIT_DFLASH=${INIT_DFLASH-examples/smollm2-dflash}
-has_size() {  # $1 = drafter dir, rest = the size flags: whether its config has that size (layers, FFN, rank, block)
+grows_from() {  # $1 = drafter dir, rest = the size flags: whether that size starts from its weights
   [ -n "$1" ] && [ -f "$1/config.json" ] && "$PY" - "$@" <<'FITS'
 import json, sys
 config = json.load(open(f"{sys.argv[1]}/config.json"))
@@ -153,7 +155,10 @@ for flag, value in zip(flags, flags[1:]):
     elif flag == "--drafter-config":
         key, number = value.split("=")
         asked[key] = int(number)
-sys.exit(0 if all(config.get(key) == value for key, value in asked.items() if key != "markov_rank" or config.get(key)) else 1)
+may_grow = {"num_hidden_layers", "markov_rank"}  # a head-less drafter (rank 0) keeps rank 0: the flag is overridden
+fits = all(value >= config.get(key) if key in may_grow else value == config.get(key)
+           for key, value in asked.items() if key != "markov_rank" or config.get(key))
+sys.exit(0 if fits else 1)
 FITS
 }
 train_both() {
@@ -165,7 +170,7 @@ train_both() {
     local init=()
     [ -n "$from" ] && init=(--init-from "$WORK/$from-$kind/drafter")
     # shellcheck disable=SC2086
-    if [ -z "$from" ] && has_size "${shipped[$kind]}" $SIZE_FLAGS; then init=(--init-from "${shipped[$kind]}"); fi
+    if [ -z "$from" ] && grows_from "${shipped[$kind]}" $SIZE_FLAGS; then init=(--init-from "${shipped[$kind]}"); fi
     # shellcheck disable=SC2086  # the size and head flags split into words on purpose
     train "$WORK/$cycle-$kind" $SIZE_FLAGS ${heads[$kind]} "${init[@]}" "$@" > "$WORK/$cycle-$kind.log" 2>&1 &
     pids+=($!)

@@ -291,6 +291,45 @@ def test_warm_start_into_a_draft_vocabulary_markov_table_keeps_each_draft_tokens
     torch.testing.assert_close(table[-1], full[~t2d].mean(0))
 
 
+def _block_outputs(drafter, seed=0):
+    """The training forward's logits and confidence logits on random target states: 2 sequences, 4 blocks each."""
+    generator = torch.Generator().manual_seed(seed)
+    config = drafter.config
+    aux = torch.randn(2, 40, len(AUX) * config.target_hidden_size, generator=generator)
+    ids = drafter.draft_to_target_ids[torch.randint(0, config.draft_vocab_size, (2, 40), generator=generator)]
+    anchors = torch.tensor([[3, 10, 17, 25], [5, 12, 20, 30]])
+    out = drafter(aux_hidden_states=aux, input_ids=ids, anchor_positions=anchors, attention_mask=torch.ones(2, 40))
+    return out
+
+
+def test_warm_start_grows_layers_and_markov_rank_without_changing_the_drafts(tmp_path):
+    """A trained drafter starts one with an extra layer and twice the Markov rank: the logits and confidence are the
+    checkpoint's (the new capacity joins at zero output), and one backward step reaches every new weight."""
+    from dspark_hf.training.build import build_drafter
+
+    source = trained_run()["drafter"]
+    old = build_drafter(tiny_args(tmp_path, init_from=str(source)), AUX).eval()
+    grown_config = {**DRAFTER, "markov_rank": 2 * DRAFTER["markov_rank"], "num_hidden_layers": 2}
+    lines = []
+    grown = build_drafter(tiny_args(tmp_path, init_from=str(source), drafter_config=grown_config), AUX,
+                          log=lines.append).eval()
+    assert grown.markov_head.markov_w1.weight.shape[1] == 128 and len(grown.layers) == 2
+    assert "grown without changing its drafts: Markov rank 64 -> 128, draft layers 1 -> 2" in lines[-1]
+    before, after = _block_outputs(old), _block_outputs(grown)
+    torch.testing.assert_close(after.logits, before.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after.confidence_logits, before.confidence_logits, rtol=1e-5, atol=1e-5)
+    grown.train()
+    out = _block_outputs(grown, seed=1)
+    (out.logits.logsumexp(-1).mean() + out.confidence_logits.mean()).backward()
+    assert grown.markov_head.markov_w2.weight.grad[:, 64:].abs().sum() > 0
+    assert grown.confidence_head.proj.weight.grad[:, -64:].abs().sum() > 0
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        assert grown.get_submodule(f"layers.1.{name}").weight.grad.abs().sum() > 0, name
+    with pytest.raises(ValueError, match=r"has 2 draft layers and the config asks for 1; a warm start adds layers"):
+        grown.save_pretrained(tmp_path / "grown")
+        build_drafter(tiny_args(tmp_path, init_from=str(tmp_path / "grown"), drafter_config={"num_hidden_layers": 1}), AUX)
+
+
 def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     from dspark_hf.cli import main
 

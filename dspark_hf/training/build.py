@@ -4,7 +4,8 @@ From scratch the config copies the target's geometry (one draft layer by default
 are bound from the target: the drafter's directory holds no copy of them (`bind_target_embeddings`) unless
 `--embed-target-copies` asks for one. A warm start reads a DSpark directory as it is and a z-lab DFlash directory through
 `formats.zlab` — the same mapping `dspark-hf convert --from zlab-dflash` uses — then adds the Markov and confidence
-heads if the checkpoint has none. The embedding and LM head stay frozen either way.
+heads if the checkpoint has none, and grows it (`growth.py`) where the config asks for more layers or a higher Markov
+rank. The embedding and LM head stay frozen either way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .. import DSparkConfig, DSparkForDrafting
 from ..remote_code.configuration_dspark import SPECIAL_TOKEN_FIELDS
 from ..formats.toolkit import DraftCheckpoint, load_tensors
 from ..formats.zlab import read_zlab_dflash
+from .growth import grow_state
 from ..targets import load_target_heads, load_target_tokenizer
 from ..vocab import full_draft_vocab, load_draft_vocab
 
@@ -173,10 +175,12 @@ def warm_start(source: Path, overrides: dict[str, Any], vocab, target, log=print
     if vocab is not None:
         for key in ("lm_head.weight", "d2t", "t2d", "markov_head.markov_w2.weight"):
             state.pop(key, None)
+    grown = grow_state(state, drafter, source)
     _check_shapes(drafter, state, source)
     missing = set(drafter.load_state_dict(state, strict=False).missing_keys)
     log(f"warm start from {source}: {len(set(state) & set(drafter.state_dict()))} tensors loaded, "
-        f"{len(missing)} initialised fresh ({', '.join(sorted(missing)[:6])}{'...' if len(missing) > 6 else ''})")
+        f"{len(missing)} initialised fresh ({', '.join(sorted(missing)[:6])}{'...' if len(missing) > 6 else ''})"
+        + (f"; grown without changing its drafts: {', '.join(grown)}" if grown else ""))
     if vocab is not None:
         drafter.set_draft_vocab(*vocab)
     elif "d2t" not in state and drafter.config.draft_vocab_size == drafter.config.vocab_size:

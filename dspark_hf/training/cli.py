@@ -46,7 +46,9 @@ def _add_initialisation_arguments(parser: argparse.ArgumentParser) -> None:
                       help="also store the target's embedding and LM-head rows in the drafter's directory (for runtimes "
                            "that cannot bind them from the target; default: bound at attach time, not stored)")
     init.add_argument("--draft-vocab", help="d2t/t2d file from `dspark-hf vocab` (default: full vocabulary)")
-    init.add_argument("--init-from", help="warm start from a DSpark or z-lab DFlash checkpoint directory (heads added if absent)")
+    init.add_argument("--init-from",
+                      help="warm start from a DSpark or z-lab DFlash checkpoint directory (heads added if absent; more "
+                           "--num-draft-layers or a higher --markov-rank grow it without changing its drafts)")
     init.add_argument("--mask-token-id", type=non_negative_int,
                       help="token filling the block's draft slots (default: from the target tokenizer: its mask token, "
                            "else a reserved/unused special token, else the added special token with the highest id; "

@@ -10,9 +10,10 @@ and one with other settings is refused in one line instead of overwriting the dr
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
+
+from ..files import write_json_atomic
 
 FINISHED = "finished.json"
 # Settings that do not change the weights a run ends with (how it is logged, checkpointed, time-boxed, resumed).
@@ -24,13 +25,6 @@ def shaping_settings(args) -> dict:
     """The arguments that shape the final drafter, as JSON would write them."""
     settings = {k: v for k, v in asdict(args).items() if k not in BOOKKEEPING}
     return json.loads(json.dumps(settings, default=str))
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """`payload` as JSON, written under a temporary name and renamed: a kill leaves the old file or the new one."""
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    os.replace(staging, path)
 
 
 def record_finished(args, summary: dict) -> None:

@@ -52,7 +52,8 @@ from ..progress import progress
 from ..targets import load_target_heads
 from .anchors import sample_batch_anchors, slot_mask
 from .build import build_drafter
-from .finished import finished_summary, record_finished, write_json_atomic
+from ..files import write_json_atomic
+from .finished import finished_summary, record_finished
 from .losses import LossConfig, MetricWindow, draft_labels, dspark_loss, target_probabilities
 from .online import OnlineHiddenStates, check_data_source, float32_target, open_online
 
