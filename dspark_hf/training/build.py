@@ -20,9 +20,9 @@ from .. import DSparkConfig, DSparkForDrafting
 from ..remote_code.configuration_dspark import SPECIAL_TOKEN_FIELDS
 from ..formats.toolkit import DraftCheckpoint, load_tensors
 from ..formats.zlab import read_zlab_dflash
-from .growth import grow_state
 from ..targets import load_target_heads, load_target_tokenizer
 from ..vocab import full_draft_vocab, load_draft_vocab
+from .growth import grow_state
 
 DEFAULT_MARKOV_RANK = 256
 # Config keys that describe where a checkpoint came from, not the drafter being trained.
