@@ -117,6 +117,23 @@ def test_loss_matches_slow_reference_on_random_tensors(chunk, monkeypatch):
     assert probs.probs.shape[0] < mask.numel()  # overlapping blocks: each shared position computed once
 
 
+@pytest.mark.parametrize("chunk", [256, 5])
+def test_tv_only_slot_terms_have_autograds_gradient(chunk, monkeypatch):
+    """Without labels (the rollouts' TV), the hand-written backward is still the gradient of 1 - Σ min(q, p)."""
+    monkeypatch.setattr(losses, "CPU_CHUNK_SLOTS", chunk)
+    torch.manual_seed(1)
+    logits = (3 * torch.randn(2, 3, 4, 50)).requires_grad_()
+    target = losses.TargetDistribution(torch.softmax(3 * torch.randn(7, 50), -1), torch.randint(0, 7, (2, 3, 4)))
+    weights = torch.rand(2, 3, 4)
+    tv, ce = losses.slot_terms(logits, target)
+    assert ce is None
+    (tv * weights).sum().backward()
+    direct = logits.detach().clone().requires_grad_()
+    (total_variation(torch.softmax(direct, -1), target.dense()) * weights).sum().backward()
+    torch.testing.assert_close(tv, total_variation(torch.softmax(direct, -1), target.dense()), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits.grad, direct.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_anchor_rules_and_sampling():
     loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0, 1, 1, 0]], dtype=torch.bool)
     valid = valid_anchor_mask(loss_mask, num_drafts=3, lengths=torch.tensor([10]))
