@@ -113,8 +113,8 @@ def _chunks(num_slots: int, device: torch.device) -> list[slice]:
 
 class _SlotTerms(torch.autograd.Function):
     """TV_n and CE_n of every slot with one hand-written backward: autograd through `minimum`, `log_softmax` and the
-    chunks' `cat` took about ten passes over the (slots × V_d) logits; this takes three, and keeps nothing but the
-    logits. With q = softmax(x), b_v = [q_v < p_v] (where min(q, p) follows q) and S = Σ_v b_v q_v:
+    chunks' `cat` made about twice the passes over the (slots × V_d) logits that this makes, and kept their
+    intermediates; this keeps only the logits. With q = softmax(x), b_v = [q_v < p_v] (where min(q, p) follows q) and S = Σ_v b_v q_v:
       ∂TV/∂x = q ⊙ (S - b),   ∂CE/∂x = q - onehot(label)."""
 
     @staticmethod
