@@ -114,7 +114,8 @@ def _chunks(num_slots: int, device: torch.device) -> list[slice]:
 class _SlotTerms(torch.autograd.Function):
     """TV_n and CE_n of every slot with one hand-written backward: autograd through `minimum`, `log_softmax` and the
     chunks' `cat` made about twice the passes over the (slots × V_d) logits that this makes, and kept their
-    intermediates; this keeps only the logits. With q = softmax(x), b_v = [q_v < p_v] (where min(q, p) follows q) and S = Σ_v b_v q_v:
+    intermediates; this keeps only the logits. With q = softmax(x), b_v = [q_v < p_v] (where min(q, p) follows q)
+    and S = Σ_v b_v q_v:
       ∂TV/∂x = q ⊙ (S - b),   ∂CE/∂x = q - onehot(label)."""
 
     @staticmethod
