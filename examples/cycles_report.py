@@ -1,4 +1,4 @@
-"""The shipped drafter's climb, cycle by cycle: one record in git and its plot (docs/results.md, "Training cycles").
+"""The shipped drafter's climb, cycle by cycle: one record in git and its plot (docs/results.md, "The climb in one record").
 
 A cycle's logs and checkpoints stay under build/ and are gone when a later session starts; the record keeps what the
 next session needs to see where the drafter stands and how fast it climbed: each cycle's settings, the trainer's
