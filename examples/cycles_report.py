@@ -1,4 +1,6 @@
-"""The shipped drafter's climb, cycle by cycle: one record in git and its plot (docs/results.md, "The climb in one record").
+"""The shipped drafter's climb, cycle by cycle: one record in git and its plot.
+
+Written for docs/results.md, "The climb in one record".
 
 A cycle's logs and checkpoints stay under build/ and are gone when a later session starts; the record keeps what the
 next session needs to see where the drafter stands and how fast it climbed: each cycle's settings, the trainer's
@@ -91,7 +93,8 @@ def main(record_path: str, name: str | None = None, run_dir: str | None = None, 
     plot(record, path.with_suffix(".png"))
     total = sum(cycle["max_steps"] for cycle in record["cycles"])
     last = record["cycles"][-1]["offline"]
-    print(f"{len(record['cycles'])} cycles, {total:,} steps; offline τ T = 1 {last['tau_T1']}, greedy {last['tau_greedy']}")
+    print(f"{len(record['cycles'])} cycles, {total:,} steps; "
+          f"offline τ T = 1 {last['tau_T1']}, greedy {last['tau_greedy']}")
 
 
 if __name__ == "__main__":
