@@ -26,8 +26,9 @@
 # leaving the batch every 16 tokens) of SIZE=80 (7,632 conversations, 913k assistant tokens) about 1.4 hours of both
 # cores (a timed SIZE=6 pass: 68k tokens in 383 s); cache 26 min; sizing ~25 min; training 0.9 s/step with the two
 # drafters side by side, 1.25 hours at STEPS=3000 + CONTINUE_STEPS=2000; calibration, eval and bench ~20 min. The
-# shipped drafter continued the 457k-token drafter's weights for one cycle on the SIZE=80 data, then a fourth and a fifth
-# cycle on the committed corpus (2,400 and 4,500 steps at 3e-4, 64 anchors; its model card lists every cycle). THREADS per job, STEPS and SIZE (percent of each domain's prompts) trade quality for time;
+# shipped drafter continued the 457k-token drafter's weights for one cycle on the SIZE=80 data, then a fourth, a fifth
+# and a sixth cycle on the committed corpus (2,400 and 4,500 steps at 3e-4, 5,000 at 2e-4, 64 anchors; its model card
+# lists every cycle). THREADS per job, STEPS and SIZE (percent of each domain's prompts) trade quality for time;
 # BENCH_PROMPTS / BENCH_REPS size the final benchmark.
 # Growing SIZE later changes the training data: delete $WORK/cache-train, size-*, train-*, continue-*, sizing.json,
 # dspark-calibrated, eval-dflash.json and the outputs first (the corpus is kept and extended, then packed into git).
