@@ -23,13 +23,13 @@
 # so rerunning the script continues the work.
 # Sized for 2 CPU cores, about 2.5 hours with the committed corpus, 3.9 hours from nothing: regeneration (40-230 new
 # tokens/s per core; batches of 48 conversations, split by prompt length at 8,192 padded tokens, finished replies
-# leaving the batch every 16 tokens) of SIZE=80 (7,632 conversations, 913k assistant tokens) about 1.4 hours of both
-# cores (a timed SIZE=6 pass: 68k tokens in 383 s); cache 26 min; sizing ~25 min; training 0.9 s/step with the two
-# drafters side by side, 1.25 hours at STEPS=3000 + CONTINUE_STEPS=2000; calibration, eval and bench ~20 min. The
-# shipped drafter continued the 457k-token drafter's weights for one cycle on the SIZE=80 data, then a fourth, a fifth
-# and a sixth cycle on the committed corpus (2,400 and 4,500 steps at 3e-4, 5,000 at 2e-4, 64 anchors; its model card
-# lists every cycle). THREADS per job, STEPS and SIZE (percent of each domain's prompts) trade quality for time;
-# BENCH_PROMPTS / BENCH_REPS size the final benchmark.
+# leaving the batch every 16 tokens) of SIZE=100 (9,540 conversations, 1.13 M assistant tokens) about 1.6 hours of
+# both cores (SIZE=80 1.4 hours, 80 to 100 14 min; a timed SIZE=6 pass: 68k tokens in 383 s); cache 26 min; sizing
+# ~25 min; training 0.9 s/step with the two drafters side by side, 1.25 hours at STEPS=3000 + CONTINUE_STEPS=2000;
+# calibration, eval and bench ~20 min. The shipped drafter continued the 457k-token drafter's weights for one cycle
+# on the SIZE=80 data, then a fourth, a fifth and a sixth cycle on that corpus (2,400 and 4,500 steps at 3e-4, 5,000
+# at 2e-4, 64 anchors; its model card lists every cycle). THREADS per job, STEPS and SIZE (percent of each domain's
+# prompts) trade quality for time; BENCH_PROMPTS / BENCH_REPS size the final benchmark.
 # Growing SIZE later changes the training data: delete $WORK/cache-train, size-*, train-*, continue-*, sizing.json,
 # dspark-calibrated, eval-dflash.json and the outputs first (the corpus is kept and extended, then packed into git).
 # A smoke run of the whole pipeline (no packed corpus, no warm start): WORK=/tmp/d CORPUS= INIT_DSPARK= INIT_DFLASH=
@@ -45,7 +45,7 @@ OUT_DFLASH=${OUT_DFLASH:-$WORK/smollm2-dflash}
 THREADS=${THREADS:-1}                 # 1 thread per job beats 2 oversubscribed ones on a shared 2-core box
 STEPS=${STEPS:-3000}                   # first cycle (1,200 steps: offline τ 1.56; 3,000: 1.78)
 CONTINUE_STEPS=${CONTINUE_STEPS:-2000} # second cycle from the first's weights (0 skips it)
-SIZE=${SIZE:-80}                       # percent of each domain's prompts below (80: 7,632 conversations, 913k assistant tokens)
+SIZE=${SIZE:-100}                      # percent of each domain's prompts (100, all: 9,540 conversations, 1.13 M tokens)
 VALIDATION=${VALIDATION:-16}           # validation conversations per corpus (calibration and offline eval)
 BENCH_PROMPTS=${BENCH_PROMPTS:-3}; BENCH_REPS=${BENCH_REPS:-1}
 AUX=2,15,28                            # speculators convention (HF hidden_states index) of SmolLM2's 30 layers
