@@ -6,6 +6,7 @@ loads in under a second with identical logits; `dense_copy_of_gguf` does the sam
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import os
@@ -55,8 +56,30 @@ def dense_copy_of_gguf(gguf: str | os.PathLike, target: Path | None = None, name
         stat = gguf.stat()
         key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
         target = cache_home() / "gguf" / f"{gguf.stem}-{key}"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
+    if not _is_dense_copy(target):
+        with _main_process_first():
+            if not _is_dense_copy(target):
+                _build_dense_copy(gguf, target, name_or_path or str(gguf))
+    return target
+
+
+def _is_dense_copy(directory: Path) -> bool:
+    return (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
+
+
+def _main_process_first():
+    """Under `accelerate launch` the copy is built by the main process while the others wait: transformers'
+    `save_pretrained` writes weights on rank 0 only, so another rank's copy would hold a tokenizer and no model."""
+    import torch.distributed
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return contextlib.nullcontext()
+    from accelerate import PartialState
+
+    return PartialState().main_process_first()
+
+
+def _build_dense_copy(gguf: Path, target: Path, name_or_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -64,16 +87,19 @@ def dense_copy_of_gguf(gguf: str | os.PathLike, target: Path | None = None, name
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = name_or_path or str(gguf)
+    model.config.name_or_path = name_or_path
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    if not _is_dense_copy(staging):
+        shutil.rmtree(staging, ignore_errors=True)
+        raise RuntimeError(f"the dense copy of {gguf} was not written (transformers saves on rank 0 only); "
+                           "build it once without `accelerate launch` (any dspark-hf command that loads this target)")
     try:
         os.rename(staging, target)  # publish atomically: a half-written copy never looks complete
     except OSError:  # a concurrent builder (e.g. another test worker) published first; keep theirs
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def load_smollm2(dtype: str = "float32", device: str = "cpu"):

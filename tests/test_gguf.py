@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
+from pathlib import Path
 
 import gguf
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import free_port, make_tiny_target, run_launch
 
 from dspark_hf import cli
 from dspark_hf.assets import smollm2_gguf_path
@@ -80,6 +83,32 @@ def test_a_gguf_target_loads_exactly_from_one_cached_dense_copy(tmp_path, monkey
     assert cli.main(["regenerate", "--target", str(path), "--input", str(data), "--output", str(tmp_path / "o.jsonl"),
                      "--max-new-tokens", "2", "--no-progress"]) == 0, capsys.readouterr().err
     assert list((tmp_path / "cache" / "gguf").iterdir()) == [copy] and (copy / "model.safetensors").stat().st_mtime_ns == built
+
+
+@pytest.mark.slow
+def test_launched_processes_share_one_dense_copy_built_by_the_main_process(tmp_path):
+    """transformers' `save_pretrained` writes weights on rank 0 only: a copy published by another rank would hold a
+    tokenizer and no model, and every later load would fail ("Unrecognized model")."""
+    source = smollm2_gguf_path()
+    vocab = len(gguf.GGUFReader(source).fields["tokenizer.ggml.tokens"].data)
+    path = tmp_path / "my-model.gguf"
+    write_tiny_gguf(path, make_tiny_target("llama", vocab_size=vocab, layers=2), source)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": str(k), "messages": [{"role": "user", "content": f"Hi {k}"},
+                                                                   {"role": "assistant", "content": "Hello"}]}) + "\n"
+                            for k in range(4)))
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1",
+           "DSPARK_HF_CACHE": str(tmp_path / "cache"), "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), "-m", "dspark_hf.cli", "cache", "--target", str(path),
+               "--dataset", str(data), "--output", str(tmp_path / "out"), "--aux-layers", "0,1", "--split", "all",
+               "--shard-size", "2", "--batch-size", "2", "--target-dtype", "float32"]
+    done = run_launch(command, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (copy,) = (tmp_path / "cache" / "gguf").iterdir()  # one copy, no staging directory left behind
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in copy.iterdir()}
 
 
 def test_a_missing_gguf_file_is_one_clear_error(tmp_path):
