@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -146,6 +147,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def two_process_launch(*args: str, **env: str) -> tuple[list[str], dict]:
+    """(command, env) to `accelerate launch` `args` on 2 CPU processes (gloo), one thread each, with this checkout
+    importable; `env` adds variables."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1",
+           "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]), **env}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), *args]
+    return command, env
 
 
 def kill_process_tree(pid: int) -> None:

@@ -8,16 +8,14 @@ refuse a manifest with a process's shards missing or processes that disagree on 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, kill_process_tree, make_tiny_target, run_launch
+from conftest import kill_process_tree, make_tiny_target, run_launch, two_process_launch
 from test_training import tiny_args, tiny_world
 from transformers import LlamaForCausalLM
 
@@ -32,7 +30,6 @@ from dspark_hf.corpora import chatterbot_conversations
 from dspark_hf.data import read_jsonl
 from dspark_hf.training.trainer import train
 
-REPO = Path(__file__).resolve().parents[1]
 AUX = [1, 2, 3]
 FP8 = "float8_e4m3fn"
 
@@ -171,15 +168,9 @@ def launch_world(tiny, tokenizer, tmp_path_factory):
 
 def _launch(world: Path, output: Path, script: list[str] | None = None) -> tuple[list[str], dict]:
     """`accelerate launch` of `dspark-hf cache` on 2 CPU processes (gloo), as the DDP training test launches."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(free_port()), *(script or ["-m", "dspark_hf.cli"]), "cache",
-               "--target", str(world / "target"), "--dataset", str(world / "data.jsonl"), "--output", str(output),
-               "--aux-layers", "1,2,3", "--split", "all", "--shard-size", "4", "--batch-size", "2",
-               "--target-dtype", "float32"]
-    return command, env
+    return two_process_launch(*(script or ["-m", "dspark_hf.cli"]), "cache", "--target", str(world / "target"),
+                              "--dataset", str(world / "data.jsonl"), "--output", str(output), "--aux-layers", "1,2,3",
+                              "--split", "all", "--shard-size", "4", "--batch-size", "2", "--target-dtype", "float32")
 
 
 def _files(directory: Path) -> dict[str, bytes]:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import gguf
 import pytest
 import torch
-from conftest import free_port, make_tiny_target, run_launch
+from conftest import make_tiny_target, run_launch, two_process_launch
 
 from dspark_hf import cli
 from dspark_hf.assets import smollm2_gguf_path
@@ -97,14 +94,10 @@ def test_launched_processes_share_one_dense_copy_built_by_the_main_process(tmp_p
     data.write_text("".join(json.dumps({"id": str(k), "messages": [{"role": "user", "content": f"Hi {k}"},
                                                                    {"role": "assistant", "content": "Hello"}]}) + "\n"
                             for k in range(4)))
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1",
-           "DSPARK_HF_CACHE": str(tmp_path / "cache"), "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(free_port()), "-m", "dspark_hf.cli", "cache", "--target", str(path),
-               "--dataset", str(data), "--output", str(tmp_path / "out"), "--aux-layers", "0,1", "--split", "all",
-               "--shard-size", "2", "--batch-size", "2", "--target-dtype", "float32"]
+    command, env = two_process_launch("-m", "dspark_hf.cli", "cache", "--target", str(path), "--dataset", str(data),
+                                      "--output", str(tmp_path / "out"), "--aux-layers", "0,1", "--split", "all",
+                                      "--shard-size", "2", "--batch-size", "2", "--target-dtype", "float32",
+                                      DSPARK_HF_CACHE=str(tmp_path / "cache"))
     done = run_launch(command, env)
     assert done.returncode == 0, done.stderr[-3000:]
     (copy,) = (tmp_path / "cache" / "gguf").iterdir()  # one copy, no staging directory left behind
